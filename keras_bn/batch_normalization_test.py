@@ -1,0 +1,483 @@
+"""Tests of keras_bn.BatchNormalization against NumPy references."""
+
+import os
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_bn import batch_normalization
+from keras_bn import testing
+
+BatchNormalization = batch_normalization.BatchNormalization
+
+SHAPES = (
+    ("dense", (16, 5), -1),
+    ("conv_nhwc", (4, 6, 6, 3), -1),
+    ("conv_nchw", (4, 3, 5, 5), 1),
+    ("two_axes", (4, 3, 5, 6), [1, 3]),
+    ("sequence", (3, 7, 4), 2),
+)
+
+
+def _random(shape, seed, loc=0.0, scale=1.0):
+    return (np.random.RandomState(seed).randn(*shape) * scale + loc).astype(
+        np.float32
+    )
+
+
+def _feature_shape(shape, axis):
+    axes = axis if isinstance(axis, list) else [axis]
+    return tuple(shape[a] for a in sorted(a % len(shape) for a in axes))
+
+
+def _layer_with_random_params(shape, axis, seed=0, **kwargs):
+    layer = BatchNormalization(axis=axis, **kwargs)
+    layer.build(shape)
+    feature_shape = _feature_shape(shape, axis)
+    if layer.scale:
+        layer.gamma.assign(_random(feature_shape, seed + 1, loc=1.0, scale=0.5))
+    if layer.center:
+        layer.beta.assign(_random(feature_shape, seed + 2))
+    return layer
+
+
+def _params(layer, rank):
+    axes = layer.axis
+    gamma = np.asarray(layer.gamma) if layer.scale else 1.0
+    beta = np.asarray(layer.beta) if layer.center else 0.0
+    return (
+        testing.broadcast_param(gamma, rank, axes) if layer.scale else gamma,
+        testing.broadcast_param(beta, rank, axes) if layer.center else beta,
+    )
+
+
+class ForwardTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(*SHAPES)
+    def test_training_output_matches_reference(self, shape, axis):
+        x = _random(shape, 0, loc=3.0, scale=2.0)
+        layer = _layer_with_random_params(shape, axis)
+        gamma, beta = _params(layer, len(shape))
+        expected = testing.reference_batch_norm(
+            x, gamma, beta, layer.axis, layer.epsilon
+        )
+        np.testing.assert_allclose(
+            layer(x, training=True), expected, rtol=1e-5, atol=1e-5
+        )
+
+    @parameterized.named_parameters(
+        ("no_center", False, True), ("no_scale", True, False), ("neither", False, False)
+    )
+    def test_center_and_scale_flags(self, center, scale):
+        x = _random((8, 4), 1)
+        layer = _layer_with_random_params((8, 4), -1, center=center, scale=scale)
+        gamma, beta = _params(layer, 2)
+        expected = testing.reference_batch_norm(x, gamma, beta, (-1,), 1e-3)
+        np.testing.assert_allclose(layer(x, training=True), expected, rtol=1e-5, atol=1e-5)
+        self.assertLen(layer.trainable_weights, int(center) + int(scale))
+
+    @parameterized.named_parameters(*SHAPES)
+    def test_inference_uses_moving_statistics(self, shape, axis):
+        layer = _layer_with_random_params(shape, axis)
+        feature_shape = _feature_shape(shape, axis)
+        layer.moving_mean.assign(_random(feature_shape, 3))
+        layer.moving_variance.assign(np.abs(_random(feature_shape, 4)) + 0.5)
+        x = _random(shape, 5)
+        rank = len(shape)
+        gamma, beta = _params(layer, rank)
+        mean = testing.broadcast_param(np.asarray(layer.moving_mean), rank, layer.axis)
+        var = testing.broadcast_param(np.asarray(layer.moving_variance), rank, layer.axis)
+        expected = gamma * (x - mean) / np.sqrt(var + layer.epsilon) + beta
+        np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(layer(x, training=False), expected, rtol=1e-5, atol=1e-5)
+
+    def test_inference_is_independent_of_batch_companions(self):
+        layer = _layer_with_random_params((8, 3), -1)
+        layer(_random((8, 3), 0, loc=2.0), training=True)
+        x = _random((8, 3), 1)
+        alone = layer(x[:1])
+        together = layer(np.concatenate([x[:1], 100 * x[1:]]))
+        np.testing.assert_array_equal(alone, together[:1])
+
+    def test_trainable_false_runs_in_inference_mode(self):
+        layer = _layer_with_random_params((8, 3), -1)
+        layer.trainable = False
+        x = _random((8, 3), 2, loc=5.0)
+        np.testing.assert_allclose(layer(x, training=True), layer(x, training=False))
+        np.testing.assert_array_equal(layer.moving_mean, np.zeros(3))
+
+    def test_masked_statistics_ignore_masked_positions(self):
+        x = _random((2, 5, 3), 6, loc=1.0)
+        mask = np.array([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], bool)
+        layer = BatchNormalization(momentum=0.0)
+        y = layer(x, training=True, mask=mask)
+        kept = x[mask]
+        mean = kept.mean(0)
+        var = kept.var(0)
+        np.testing.assert_allclose(layer.moving_mean, mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(layer.moving_variance, var, rtol=1e-5)
+        np.testing.assert_allclose(
+            y, (x - mean) / np.sqrt(var + 1e-3), rtol=1e-4, atol=1e-5
+        )
+
+
+class MovingStatisticsTest(parameterized.TestCase):
+
+    @parameterized.product(
+        case=[(s[1], s[2]) for s in SHAPES],
+        unbiased=[False, True],
+    )
+    def test_momentum_update_matches_reference(self, case, unbiased):
+        shape, axis = case
+        layer = BatchNormalization(axis=axis, momentum=0.8, unbiased_variance=unbiased)
+        feature_shape = _feature_shape(shape, axis)
+        moving_mean = np.zeros(feature_shape)
+        moving_var = np.ones(feature_shape)
+        for step in range(3):
+            x = _random(shape, 10 + step, loc=step, scale=1 + step)
+            layer(x, training=True)
+            mean, var = testing.reference_moments(x, layer.axis)
+            m = x.size / mean.size
+            if unbiased:
+                var = var * m / (m - 1)
+            moving_mean = 0.8 * moving_mean + 0.2 * mean.reshape(feature_shape)
+            moving_var = 0.8 * moving_var + 0.2 * var.reshape(feature_shape)
+        np.testing.assert_allclose(layer.moving_mean, moving_mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(layer.moving_variance, moving_var, rtol=1e-5, atol=1e-6)
+
+    @parameterized.named_parameters(("biased", False), ("unbiased", True))
+    def test_momentum_none_is_exact_cumulative_average(self, unbiased):
+        shape = (6, 4, 4, 2)
+        layer = BatchNormalization(momentum=None, unbiased_variance=unbiased)
+        means, variances = [], []
+        for step in range(5):
+            x = _random(shape, 20 + step, loc=2 * step, scale=1 + step)
+            layer(x, training=True)
+            mean, var = testing.reference_moments(x, (-1,))
+            m = 6 * 4 * 4
+            means.append(mean.ravel())
+            variances.append(var.ravel() * (m / (m - 1) if unbiased else 1))
+        np.testing.assert_allclose(layer.moving_mean, np.mean(means, 0), rtol=1e-5)
+        np.testing.assert_allclose(layer.moving_variance, np.mean(variances, 0), rtol=1e-5)
+        self.assertEqual(float(layer.moving_batches), 5.0)
+
+    def test_agrees_with_keras_batch_normalization(self):
+        shape = (8, 5, 5, 4)
+        ours = BatchNormalization(momentum=0.9, epsilon=1e-3)
+        theirs = keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-3)
+        for step in range(4):
+            x = tf.constant(_random(shape, 30 + step, loc=1.0, scale=3.0))
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(x)
+                y_ours = ours(x, training=True)
+                y_theirs = theirs(x, training=True)
+                weights = tf.constant(_random(shape, 40 + step))
+                loss_ours = tf.reduce_sum(y_ours * weights)
+                loss_theirs = tf.reduce_sum(y_theirs * weights)
+            np.testing.assert_allclose(y_ours, y_theirs, rtol=1e-5, atol=1e-5)
+            for a, b in zip(
+                tape.gradient(loss_ours, [x, ours.gamma, ours.beta]),
+                tape.gradient(loss_theirs, [x, theirs.gamma, theirs.beta]),
+            ):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(ours.moving_mean, theirs.moving_mean, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(ours.moving_variance, theirs.moving_variance, rtol=1e-6)
+        x = _random(shape, 50)
+        np.testing.assert_allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+    def test_dynamic_single_value_and_empty_batch_stay_finite(self):
+        layer = BatchNormalization(unbiased_variance=True, momentum=None)
+        layer.build((None, 3))
+        step = tf.function(
+            lambda x: layer(x, training=True),
+            input_signature=[tf.TensorSpec((None, 3), tf.float32)],
+        )
+        self.assertTrue(np.all(np.isfinite(step(_random((1, 3), 0)))))
+        self.assertEqual(step(np.zeros((0, 3), np.float32)).shape, (0, 3))
+        self.assertEqual(float(layer.moving_batches), 1.0)
+        for v in layer.non_trainable_variables:
+            self.assertTrue(np.all(np.isfinite(v.numpy())))
+
+
+def _loss_reference(x, gamma, beta, weights, feature_axes, epsilon):
+    return np.sum(
+        weights * testing.reference_batch_norm(x, gamma, beta, feature_axes, epsilon)
+    )
+
+
+class GradientTest(parameterized.TestCase):
+    """Analytic gradients against central differences of the whole batch."""
+
+    @parameterized.named_parameters(*SHAPES)
+    def test_gradients_match_finite_differences(self, shape, axis):
+        x = _random(shape, 60, loc=1.0, scale=2.0).astype(np.float64)
+        layer = _layer_with_random_params(shape, axis, seed=61)
+        rank = len(shape)
+        gamma, beta = _params(layer, rank)
+        weights = _random(shape, 62)
+        xt = tf.constant(x, tf.float32)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            loss = tf.reduce_sum(layer(xt, training=True) * weights)
+        dx, dgamma, dbeta = tape.gradient(loss, [xt, layer.gamma, layer.beta])
+
+        f = lambda x_, g_, b_: _loss_reference(x_, g_, b_, weights, layer.axis, layer.epsilon)
+        h = 1e-4
+        rng = np.random.RandomState(63)
+        for flat in rng.choice(x.size, size=6, replace=False):
+            idx = np.unravel_index(flat, shape)
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += h
+            minus[idx] -= h
+            numeric = (f(plus, gamma, beta) - f(minus, gamma, beta)) / (2 * h)
+            self.assertAlmostEqual(float(dx.numpy()[idx]), numeric, delta=2e-4 * (1 + abs(numeric)))
+        for param, analytic, name in ((gamma, dgamma, "gamma"), (beta, dbeta, "beta")):
+            flat_param = np.asarray(param, np.float64).ravel()
+            for k in range(min(3, flat_param.size)):
+                plus, minus = flat_param.copy(), flat_param.copy()
+                plus[k] += h
+                minus[k] -= h
+                if name == "gamma":
+                    numeric = (f(x, plus.reshape(param.shape), beta) - f(x, minus.reshape(param.shape), beta)) / (2 * h)
+                else:
+                    numeric = (f(x, gamma, plus.reshape(param.shape)) - f(x, gamma, minus.reshape(param.shape))) / (2 * h)
+                self.assertAlmostEqual(
+                    float(analytic.numpy().ravel()[k]), numeric, delta=2e-4 * (1 + abs(numeric))
+                )
+
+    def test_check_rejects_gradient_with_constant_statistics(self):
+        # The finite-difference check above must fail for the naive gradient
+        # that treats μ_B and σ²_B as constants: γ·w/√(σ²+ε) per element.
+        shape = (16, 5)
+        x = _random(shape, 70).astype(np.float64)
+        weights = _random(shape, 71)
+        _, var = testing.reference_moments(x, (-1,))
+        naive = weights / np.sqrt(var + 1e-3)
+        h = 1e-4
+        plus, minus = x.copy(), x.copy()
+        plus[0, 0] += h
+        minus[0, 0] -= h
+        f = lambda x_: _loss_reference(x_, 1.0, 0.0, weights, (-1,), 1e-3)
+        numeric = (f(plus) - f(minus)) / (2 * h)
+        self.assertGreater(abs(naive[0, 0] - numeric), 1e-2)
+
+    def test_masked_gradient_matches_finite_differences(self):
+        x = _random((2, 6, 3), 80, loc=0.5).astype(np.float64)
+        mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], bool)
+        weights = _random((2, 6, 3), 81)
+        layer = BatchNormalization()
+        xt = tf.constant(x, tf.float32)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            loss = tf.reduce_sum(layer(xt, training=True, mask=mask) * weights)
+        dx = tape.gradient(loss, xt).numpy()
+
+        def f(x_):
+            kept = x_[mask]
+            mean, var = kept.mean(0), kept.var(0)
+            return np.sum(weights * (x_ - mean) / np.sqrt(var + 1e-3))
+
+        h = 1e-4
+        for idx in [(0, 0, 0), (0, 5, 1), (1, 2, 2), (1, 4, 0)]:
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += h
+            minus[idx] -= h
+            numeric = (f(plus) - f(minus)) / (2 * h)
+            self.assertAlmostEqual(float(dx[idx]), numeric, delta=2e-4 * (1 + abs(numeric)))
+
+
+class PrecisionTest(parameterized.TestCase):
+
+    def tearDown(self):
+        keras.mixed_precision.set_global_policy("float32")
+        super().tearDown()
+
+    @parameterized.named_parameters(
+        ("float16", "mixed_float16", "float16"),
+        ("bfloat16", "mixed_bfloat16", "bfloat16"),
+    )
+    def test_mixed_precision_keeps_float32_statistics(self, policy, dtype):
+        keras.mixed_precision.set_global_policy(policy)
+        layer = BatchNormalization(momentum=0.0)
+        x = _random((32, 4), 90, loc=3e4, scale=3e4).clip(-6e4, 6e4)
+        x_low = tf.cast(x, dtype)
+        y = layer(x_low, training=True)
+        self.assertEqual(y.dtype, dtype)
+        for weight in layer.weights:
+            self.assertEqual(weight.dtype, "float32")
+        y32 = tf.cast(y, tf.float32).numpy()
+        self.assertTrue(np.all(np.isfinite(y32)))
+        x_exact = tf.cast(x_low, tf.float32).numpy().astype(np.float64)
+        np.testing.assert_allclose(layer.moving_mean, x_exact.mean(0), rtol=1e-5)
+        np.testing.assert_allclose(layer.moving_variance, x_exact.var(0), rtol=1e-5)
+        expected = (x_exact - x_exact.mean(0)) / np.sqrt(x_exact.var(0) + 1e-3)
+        np.testing.assert_allclose(y32, expected, atol=0.02, rtol=0.02)
+        self.assertTrue(np.all(np.isfinite(tf.cast(layer(x_low), tf.float32))))
+
+    def test_float16_gradient_is_finite(self):
+        x = tf.constant(_random((16, 4), 91, loc=1e4, scale=5e3), tf.float16)
+        layer = BatchNormalization(dtype="float16")
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.cast(layer(x, training=True), tf.float32) ** 2)
+        dx = tape.gradient(loss, x)
+        self.assertEqual(dx.dtype, tf.float16)
+        self.assertTrue(np.all(np.isfinite(tf.cast(dx, tf.float32))))
+
+
+def _small_model(**bn_kwargs):
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            keras.layers.Conv2D(4, 3, use_bias=False),
+            BatchNormalization(**bn_kwargs),
+            keras.layers.ReLU(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(5),
+            BatchNormalization(axis=-1, momentum=None, unbiased_variance=True),
+        ]
+    )
+
+
+class SerializationTest(parameterized.TestCase):
+
+    def test_config_round_trip(self):
+        layer = BatchNormalization(
+            axis=[1, 3],
+            momentum=None,
+            epsilon=1e-5,
+            center=False,
+            unbiased_variance=True,
+            synchronized=True,
+            gamma_regularizer="l2",
+            beta_constraint="non_neg",
+            name="bn",
+        )
+        config = layer.get_config()
+        clone = BatchNormalization.from_config(config)
+        self.assertEqual(clone.get_config(), config)
+        restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+        self.assertIsInstance(restored, BatchNormalization)
+        self.assertEqual(restored.axis, (1, 3))
+        self.assertIsNone(restored.momentum)
+
+    def _trained_model(self):
+        model = _small_model(momentum=0.5)
+        for step in range(3):
+            model(_random((8, 6, 6, 3), 100 + step, loc=1.0), training=True)
+        return model
+
+    def test_keras_file_round_trip(self):
+        model = self._trained_model()
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        x = _random((4, 6, 6, 3), 110)
+        np.testing.assert_array_equal(model(x), loaded(x))
+        for a, b in zip(model.weights, loaded.weights):
+            self.assertEqual(a.name, b.name)
+            np.testing.assert_array_equal(a, b)
+
+    def test_saved_model_export(self):
+        model = self._trained_model()
+        path = os.path.join(tempfile.mkdtemp(), "export")
+        tf.saved_model.save(model, path)
+        loaded = tf.saved_model.load(path)
+        x = _random((4, 6, 6, 3), 111)
+        serve = loaded.signatures["serving_default"]
+        (output,) = serve(tf.constant(x)).values()
+        np.testing.assert_allclose(model(x), output, rtol=1e-6, atol=1e-6)
+
+
+class CompileTest(parameterized.TestCase):
+
+    def test_train_step_compiles_with_xla(self):
+        def run(jit):
+            keras.utils.set_random_seed(0)
+            model = _small_model(momentum=0.9)
+            optimizer = keras.optimizers.SGD(0.1)
+            optimizer.build(model.trainable_variables)
+
+            @tf.function(jit_compile=jit)
+            def step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+
+            for i in range(3):
+                loss = step(tf.constant(_random((8, 6, 6, 3), 120 + i)), tf.constant(_random((8, 5), 130 + i)))
+            return loss, [v.numpy() for v in model.weights]
+
+        loss_xla, weights_xla = run(True)
+        loss_graph, weights_graph = run(False)
+        np.testing.assert_allclose(loss_xla, loss_graph, rtol=1e-4)
+        for a, b in zip(weights_xla, weights_graph):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class ValidationTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("momentum_one", {"momentum": 1.0}, ValueError, r"momentum.*Received: momentum=1.0"),
+        ("momentum_negative", {"momentum": -0.1}, ValueError, r"Received: momentum=-0.1"),
+        ("momentum_type", {"momentum": "0.9"}, TypeError, r"Received: momentum='0.9'"),
+        ("epsilon_negative", {"epsilon": -1e-3}, ValueError, r"Received: epsilon=-0.001"),
+        ("epsilon_nan", {"epsilon": float("nan")}, ValueError, r"Received: epsilon=nan"),
+        ("axis_type", {"axis": 1.5}, TypeError, r"Received: axis=1.5"),
+        ("axis_empty", {"axis": []}, TypeError, r"Received: axis=\[\]"),
+        ("flag_type", {"center": "yes"}, TypeError, r"Received: center='yes'"),
+        ("synchronized_type", {"synchronized": 1}, TypeError, r"Received: synchronized=1"),
+    )
+    def test_constructor_rejects(self, kwargs, error, pattern):
+        with self.assertRaisesRegex(error, pattern):
+            BatchNormalization(**kwargs)
+
+    def test_axis_out_of_range(self):
+        with self.assertRaisesRegex(ValueError, r"out of range.*Received: axis=\(3,\)"):
+            BatchNormalization(axis=3).build((4, 5, 6))
+
+    def test_duplicate_axes(self):
+        with self.assertRaisesRegex(ValueError, r"distinct.*Received: axis=\(1, -2\)"):
+            BatchNormalization(axis=[1, -2]).build((4, 5, 6))
+
+    def test_undefined_feature_dimension(self):
+        with self.assertRaisesRegex(ValueError, r"defined dimension.*Received: input_shape"):
+            BatchNormalization().build((4, None))
+
+    def test_rank_mismatch_with_build(self):
+        layer = BatchNormalization()
+        layer(np.ones((4, 3), np.float32))
+        with self.assertRaisesRegex(ValueError, r"expected ndim=2, found ndim=3"):
+            layer(np.ones((4, 2, 3), np.float32))
+
+    def test_feature_size_mismatch_with_build(self):
+        layer = BatchNormalization()
+        layer(np.ones((4, 3), np.float32))
+        with self.assertRaisesRegex(ValueError, r"expected axis -1|expected axis 1"):
+            layer(np.ones((4, 5), np.float32))
+
+    def test_non_float_input(self):
+        with self.assertRaisesRegex(TypeError, r"floating-point.*Received: inputs.dtype=int32"):
+            BatchNormalization()(np.ones((4, 3), np.int32))
+
+    def test_static_single_value_training_batch(self):
+        with self.assertRaisesRegex(ValueError, r"m=1.*Received: inputs.shape=\(1, 3\)"):
+            BatchNormalization()(np.ones((1, 3), np.float32), training=True)
+
+    def test_mask_rank(self):
+        with self.assertRaisesRegex(ValueError, r"one dimension less.*Received: mask.shape=\(2, 5, 3\)"):
+            BatchNormalization()(np.ones((2, 5, 3), np.float32), training=True, mask=np.ones((2, 5, 3), bool))
+
+    def test_mask_needs_last_axis(self):
+        with self.assertRaisesRegex(ValueError, r"last axis alone.*Received: axis=\(1,\)"):
+            BatchNormalization(axis=1)(np.ones((2, 5, 3), np.float32), training=True, mask=np.ones((2, 5), bool))
+
+
+if __name__ == "__main__":
+    absltest.main()

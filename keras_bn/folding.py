@@ -1,0 +1,135 @@
+"""Folding inference-mode batch normalization into the preceding layer."""
+
+import keras
+# Keras exports no public name for the functional-model class.
+from keras.src.models.functional import Functional
+import numpy as np
+
+from keras_bn.batch_normalization import BatchNormalization
+
+# Layers whose kernel keeps the output features on its last axis, so that a
+# per-output-feature scale folds into kernel[..., k].
+_FOLDABLE = (
+    keras.layers.Dense,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+)
+
+
+@keras.saving.register_keras_serializable(package="keras_bn")
+class FoldedBatchNorm(keras.layers.Layer):
+    """The identity left where a batch norm was folded into its producer.
+
+    It accepts the `training` and `mask` arguments the replaced layer was
+    called with, so functional graphs clone unchanged, and passes masks on.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, inputs, training=None, mask=None):
+        del training, mask  # The folded transform is already in the producer.
+        return inputs
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def _foldable_pairs(model):
+    """Maps each foldable producer's name to the BN layer that follows it."""
+    pairs = {}
+    for bn in model.layers:
+        if not isinstance(bn, BatchNormalization) or len(bn._inbound_nodes) != 1:
+            continue
+        parents = bn._inbound_nodes[0].parent_nodes
+        if len(parents) != 1:
+            continue
+        producer = parents[0].operation
+        if (
+            type(producer) not in _FOLDABLE
+            or producer.activation not in (None, keras.activations.linear)
+            or len(producer._inbound_nodes) != 1
+            or len(producer._outbound_nodes) != 1
+        ):
+            continue
+        rank = len(producer.output.shape)
+        if isinstance(producer, keras.layers.Dense) or (
+            producer.data_format == "channels_last"
+        ):
+            channel_axis = rank - 1
+        else:
+            channel_axis = 1
+        if bn._feature_axes == (channel_axis,):
+            pairs[producer.name] = bn
+    return pairs
+
+
+def fold_batch_norm(model):
+    """Returns an inference copy of `model` with batch norms folded away.
+
+    Each `keras_bn.BatchNormalization` whose only input is a `Dense`,
+    `Conv1D`, `Conv2D` or `Conv3D` layer with a linear activation, normalising
+    that layer's output channels and being its only consumer, is folded into
+    it, using the inference-mode transform
+        s = γ / √(moving_variance + ε),
+        W' = W · s (per output channel),   b' = (b − moving_mean) · s + β,
+    and replaced by a `FoldedBatchNorm` identity layer. Every other layer is copied with its
+    weights; the original model is left untouched and shares no variables
+    with the copy.
+
+    Args:
+        model: a built `keras.Sequential` or functional `keras.Model`.
+
+    Returns:
+        A new model whose outputs equal `model(x, training=False)` up to
+        float32 rounding.
+
+    Raises:
+        ValueError: if `model` is not a built Sequential/functional model.
+    """
+    if not isinstance(model, (keras.Sequential, Functional)):
+        raise ValueError(
+            "fold_batch_norm needs a Sequential or functional model. "
+            f"Received: model={type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(
+            f"fold_batch_norm needs a built model. Received: model={model.name}"
+        )
+    pairs = _foldable_pairs(model)
+    folded_bns = {bn.name for bn in pairs.values()}
+
+    def clone(layer):
+        if layer.name in folded_bns:
+            return FoldedBatchNorm(name=layer.name)
+        config = layer.get_config()
+        if layer.name in pairs:
+            config["use_bias"] = True
+        return layer.__class__.from_config(config)
+
+    folded = keras.models.clone_model(model, clone_function=clone)
+    for layer in model.layers:
+        if layer.name in folded_bns or not layer.weights:
+            continue  # Input layers have no weights and get new names.
+        target = folded.get_layer(layer.name)
+        if layer.name not in pairs:
+            target.set_weights(layer.get_weights())
+            continue
+        bn = pairs[layer.name]
+        kernel = np.asarray(layer.kernel, np.float64)
+        bias = (
+            np.asarray(layer.bias, np.float64)
+            if layer.use_bias
+            else np.zeros(kernel.shape[-1])
+        )
+        variance = np.asarray(bn.moving_variance, np.float64)
+        scale = 1.0 / np.sqrt(variance + bn.epsilon)
+        if bn.scale:
+            scale = scale * np.asarray(bn.gamma, np.float64)
+        offset = np.asarray(bn.beta, np.float64) if bn.center else 0.0
+        mean = np.asarray(bn.moving_mean, np.float64)
+        target.kernel.assign((kernel * scale).astype(np.float32))
+        target.bias.assign(((bias - mean) * scale + offset).astype(np.float32))
+    return folded

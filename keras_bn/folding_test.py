@@ -1,0 +1,81 @@
+"""Tests of keras_bn.fold_batch_norm."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+
+import keras_bn
+from keras_bn import folding
+
+
+def _randomize_statistics(model, seed):
+    rng = np.random.RandomState(seed)
+    for layer in model.layers:
+        if isinstance(layer, keras_bn.BatchNormalization):
+            for weight in layer.weights:
+                shape = weight.shape
+                if weight.name == "moving_variance":
+                    weight.assign(rng.uniform(0.2, 3.0, shape).astype(np.float32))
+                elif weight.name != "moving_batches":
+                    weight.assign(rng.randn(*shape).astype(np.float32))
+
+
+class FoldTest(parameterized.TestCase):
+
+    def _check(self, model, x, expected_identity):
+        _randomize_statistics(model, 0)
+        folded = keras_bn.fold_batch_norm(model)
+        expected = model(x, training=False).numpy()
+        np.testing.assert_allclose(folded(x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        identities = [l.name for l in folded.layers if isinstance(l, folding.FoldedBatchNorm)]
+        self.assertCountEqual(identities, expected_identity)
+        self.assertFalse(any(isinstance(l, keras_bn.BatchNormalization) for l in folded.layers if l.name in expected_identity))
+        original = {id(v) for v in model.weights}
+        self.assertFalse(any(id(v) in original for v in folded.weights))
+        return folded
+
+    def test_sequential_dense_and_conv(self):
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 3)),
+                keras.layers.Conv2D(4, 3, use_bias=False, name="conv"),
+                keras_bn.BatchNormalization(name="bn1"),
+                keras.layers.ReLU(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(6, name="dense"),
+                keras_bn.BatchNormalization(center=False, name="bn2"),
+                keras.layers.Activation("sigmoid"),
+            ]
+        )
+        x = np.random.RandomState(1).randn(5, 8, 8, 3).astype(np.float32)
+        self._check(model, x, ["bn1", "bn2"])
+
+    def test_functional_channels_first_and_unfoldable_cases(self):
+        # Spatial sizes differ from the channel count: Keras 3.15's own
+        # channels-first Conv2D adds its bias on the last axis when the two
+        # coincide, which would make the unfolded reference itself wrong.
+        inputs = keras.Input((3, 9, 7))
+        h = keras.layers.Conv2D(4, 3, data_format="channels_first", name="conv")(inputs)
+        h = keras_bn.BatchNormalization(axis=1, name="bn_cf")(h)
+        h = keras.layers.Conv2D(4, 1, activation="relu", data_format="channels_first", name="conv_relu")(h)
+        h = keras_bn.BatchNormalization(axis=1, name="bn_after_relu")(h)
+        branch = keras.layers.Conv2D(4, 1, data_format="channels_first", name="shared")(h)
+        a = keras_bn.BatchNormalization(axis=1, name="bn_shared")(branch)
+        outputs = keras.layers.Add()([a, branch])
+        model = keras.Model(inputs, outputs)
+        x = np.random.RandomState(2).randn(2, 3, 9, 7).astype(np.float32)
+        folded = self._check(model, x, ["bn_cf"])
+        self.assertIsInstance(folded.get_layer("bn_after_relu"), keras_bn.BatchNormalization)
+
+    def test_rejects_subclassed_model(self):
+        class Net(keras.Model):
+            def call(self, x):
+                return x
+
+        with self.assertRaisesRegex(ValueError, r"Sequential or functional.*Received: model=Net"):
+            keras_bn.fold_batch_norm(Net())
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,85 @@
+"""Tests of keras_bn.estimate_population_statistics."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_bn
+
+
+def _model(unbiased):
+    return keras.Sequential(
+        [
+            keras.Input((4, 4, 2)),
+            keras_bn.BatchNormalization(unbiased_variance=unbiased, name="bn_in"),
+            keras.layers.Conv2D(3, 1, use_bias=False, name="conv"),
+            keras_bn.BatchNormalization(momentum=None, unbiased_variance=unbiased, name="bn_conv"),
+        ]
+    )
+
+
+class PopulationTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(("biased", False), ("unbiased", True))
+    def test_count_weighted_average_of_batch_statistics(self, unbiased):
+        keras.utils.set_random_seed(1)
+        model = _model(unbiased)
+        rng = np.random.RandomState(0)
+        data = (rng.randn(20, 4, 4, 2) * 3 + 2).astype(np.float32)
+        # Batches of 8, 8 and 4: the last one weighs half as much.
+        dataset = tf.data.Dataset.from_tensor_slices((data, np.zeros(20))).batch(8)
+        trainable_before = [w.numpy() for w in model.trainable_weights]
+        estimates = keras_bn.estimate_population_statistics(model, dataset, num_batches=10)
+
+        kernel = model.get_layer("conv").kernel.numpy().astype(np.float64)
+        sums = {"bn_in": [0, 0, 0], "bn_conv": [0, 0, 0]}
+        for start in (0, 8, 16):
+            x = data[start : start + 8].astype(np.float64)
+            for name in ("bn_in", "bn_conv"):
+                mean, var = x.mean((0, 1, 2)), x.var((0, 1, 2))
+                m = x.shape[0] * 16
+                if unbiased:
+                    var = var * m / (m - 1)
+                sums[name][0] += m
+                sums[name][1] = sums[name][1] + m * mean
+                sums[name][2] = sums[name][2] + m * var
+                if name == "bn_in":
+                    x = (x - x.mean((0, 1, 2))) / np.sqrt(x.var((0, 1, 2)) + 1e-3)
+                    x = np.einsum("nhwc,cd->nhwd", x, kernel[0, 0])
+        for name in ("bn_in", "bn_conv"):
+            layer = model.get_layer(name)
+            count, mean_sum, var_sum = sums[name]
+            np.testing.assert_allclose(layer.moving_mean, mean_sum / count, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(layer.moving_variance, var_sum / count, rtol=1e-5)
+            np.testing.assert_array_equal(estimates[layer.path][0], layer.moving_mean.numpy())
+        self.assertEqual(float(model.get_layer("bn_conv").moving_batches), 3.0)
+        for before, after in zip(trainable_before, model.trainable_weights):
+            np.testing.assert_array_equal(before, after)
+
+    def test_num_batches_limits_the_passes(self):
+        model = _model(False)
+        data = np.random.RandomState(1).randn(16, 4, 4, 2).astype(np.float32)
+        dataset = tf.data.Dataset.from_tensor_slices(data).batch(4)
+        keras_bn.estimate_population_statistics(model, dataset, num_batches=1)
+        np.testing.assert_allclose(
+            model.get_layer("bn_in").moving_mean, data[:4].mean((0, 1, 2)), rtol=1e-5, atol=1e-6
+        )
+
+    def test_rejects_bad_num_batches(self):
+        with self.assertRaisesRegex(ValueError, r"positive int. Received: num_batches=0"):
+            keras_bn.estimate_population_statistics(_model(False), [], num_batches=0)
+
+    def test_rejects_model_without_layers(self):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        with self.assertRaisesRegex(ValueError, r"no keras_bn.BatchNormalization.*Received: model="):
+            keras_bn.estimate_population_statistics(model, [np.ones((2, 3))], num_batches=1)
+
+    def test_rejects_empty_dataset(self):
+        with self.assertRaisesRegex(ValueError, r"no batch"):
+            keras_bn.estimate_population_statistics(_model(False), [], num_batches=2)
+
+
+if __name__ == "__main__":
+    absltest.main()
