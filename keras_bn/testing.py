@@ -31,3 +31,47 @@ def broadcast_param(param, rank, feature_axes):
     for axis, size in zip(feature_axes, np.shape(param)):
         shape[axis] = size
     return np.reshape(param, shape)
+
+
+def split_cpu(num_devices):
+    """Splits the first CPU into `num_devices` logical devices, once.
+
+    Must run before TensorFlow initialises its devices; if that already
+    happened with enough logical CPUs it is a no-op, else it raises.
+    """
+    import tensorflow as tf  # Imported late: only multi-replica tests need it.
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices
+        )
+    except RuntimeError:
+        available = len(tf.config.list_logical_devices("CPU"))
+        if available < num_devices:
+            raise RuntimeError(
+                f"{num_devices} logical CPUs are needed but TensorFlow was "
+                f"initialised with {available}; call split_cpu() first."
+            ) from None
+
+
+class LoneReplicaContext:
+    """A stand-in replica context: replica 0 of R whose peers hold no data.
+
+    TensorFlow cannot XLA-compile MirroredStrategy collectives on logical CPU
+    devices ("Trying to access resource ... located in device CPU:1 from
+    device CPU:0", an XLA known issue), so the XLA test of the synchronised
+    path runs with this context: its all-reduce is the identity, which is
+    exactly the SUM all-reduce when every other replica contributes zeros,
+    i.e. holds an empty batch. Results must then equal local statistics.
+    """
+
+    def __init__(self, num_replicas):
+        self.num_replicas_in_sync = num_replicas
+        self.replica_id_in_sync_group = 0
+        self.all_reduce_calls = 0
+
+    def all_reduce(self, reduce_op, value):
+        del reduce_op  # SUM: the peers add zeros.
+        self.all_reduce_calls += 1
+        return value

@@ -1,0 +1,103 @@
+r"""Synchronised train step: keras_bn vs keras.layers.BatchNormalization.
+
+The same small conv net (conv → BN → ReLU, twice, then pooling and a dense
+head) is trained under one `MirroredStrategy` over `--replicas` logical CPU
+devices, once with `keras_bn.BatchNormalization(synchronized=True)` and once
+with `keras.layers.BatchNormalization(synchronized=True)`, in one process,
+measured round-robin. Ratio = ours / Keras (below 1.0 means ours is faster).
+
+Run:
+    python -m benchmarks.sync_speed
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app
+from absl import flags
+
+from keras_bn import testing
+
+_REPLICAS = flags.DEFINE_integer("replicas", 2, "Logical CPU devices.", lower_bound=2)
+_BATCH = flags.DEFINE_integer("global_batch", 64, "Global batch size.", lower_bound=2)
+_ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed samples per model.", lower_bound=1)
+_SYNC = flags.DEFINE_bool("synchronized", True, "Synchronise the moments (False: local-moment baseline).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Steps per sample.", lower_bound=1)
+
+
+def build_model(bn_factory):
+    import keras  # Imported after the CPU split (see main).
+
+    return keras.Sequential([
+        keras.Input((32, 32, 16)),
+        keras.layers.Conv2D(32, 3, padding="same", use_bias=False),
+        bn_factory(),
+        keras.layers.ReLU(),
+        keras.layers.Conv2D(64, 3, padding="same", use_bias=False),
+        bn_factory(),
+        keras.layers.ReLU(),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+
+
+def make_step(strategy, bn_factory, global_batch):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = build_model(bn_factory)
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+    rng = np.random.RandomState(0)
+    x = rng.randn(global_batch, 32, 32, 16).astype(np.float32)
+    y = rng.randint(0, 10, global_batch)
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    iterator = iter(strategy.experimental_distribute_dataset(dataset.unbatch().batch(global_batch)))
+    batch = next(iterator)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum"
+    )
+
+    def replica_step(inputs, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(inputs, training=True)) / global_batch
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step():
+        return strategy.run(replica_step, args=batch)
+
+    return step
+
+
+def main(argv):
+    del argv
+    testing.split_cpu(_REPLICAS.value)
+    import keras
+    import tensorflow as tf
+
+    import keras_bn
+    from benchmarks import timing
+
+    strategy = tf.distribute.MirroredStrategy(
+        [f"/cpu:{i}" for i in range(_REPLICAS.value)]
+    )
+    steps = {
+        "ours": make_step(strategy, lambda: keras_bn.BatchNormalization(synchronized=_SYNC.value), _BATCH.value),
+        "keras": make_step(strategy, lambda: keras.layers.BatchNormalization(synchronized=_SYNC.value), _BATCH.value),
+    }
+    times = timing.time_interleaved(steps, warmup=3, repeats=_REPEATS.value, rounds=_ROUNDS.value)
+    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+          f"{_REPLICAS.value} logical CPU replicas, global batch {_BATCH.value}")
+    print(f"ours {times['ours'] * 1e3:.2f} ms/step, keras {times['keras'] * 1e3:.2f} ms/step, "
+          f"ratio {times['ours'] / times['keras']:.2f}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,13 @@
+"""Pytest set-up: split the CPU before any test initialises TensorFlow.
+
+Multi-replica tests need several logical CPU devices, and TensorFlow fixes
+its devices at first use, so the split happens once, here.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from keras_bn import testing  # noqa: E402
+
+testing.split_cpu(4)
