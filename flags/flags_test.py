@@ -1,0 +1,53 @@
+"""Parsing and validation of the shared flags."""
+
+from absl import flags
+from absl.testing import absltest
+from absl.testing import flagsaver
+from absl.testing import parameterized
+
+from flags import distribution_flags as distribution_flags
+from flags import run_flags as run_flags
+from flags import training_flags as training_flags
+
+FLAGS = flags.FLAGS
+
+
+class FlagsTest(parameterized.TestCase):
+
+    def test_defaults(self):
+        with flagsaver.flagsaver():
+            FLAGS(["prog"])
+            self.assertEqual(run_flags.MODEL_DIR.value, "runs/default")
+            self.assertIsNone(run_flags.DATA_DIR.value)
+            self.assertIsNone(training_flags.TRAIN_STEPS.value)
+            self.assertEqual(distribution_flags.DISTRIBUTION_STRATEGY.value, "off")
+
+    def test_parses_values(self):
+        with flagsaver.flagsaver():
+            FLAGS(["prog", "--train_steps=7", "--batch_size=32", "--learning_rate=0.25",
+                   "--seed=3", "--eval_every=2", "--distribution_strategy=tpu", "--tpu=local",
+                   "--data_dir=/d", "--model_dir=/m"])
+            self.assertEqual(training_flags.TRAIN_STEPS.value, 7)
+            self.assertEqual(training_flags.BATCH_SIZE.value, 32)
+            self.assertEqual(training_flags.LEARNING_RATE.value, 0.25)
+            self.assertEqual(run_flags.SEED.value, 3)
+            self.assertEqual(distribution_flags.TPU.value, "local")
+
+    @parameterized.named_parameters(
+        ("negative_steps", "--train_steps=-5", r"--train_steps=-5: -5 is not a positive integer"),
+        ("zero_batch", "--batch_size=0", r"--batch_size=0: 0 is not a positive integer"),
+        ("zero_learning_rate", "--learning_rate=0", r"learning_rate must be > 0"),
+        ("negative_seed", "--seed=-1", r"--seed=-1: -1 is not a non-negative integer"),
+        ("bad_enum", "--distribution_strategy=horovod", r"distribution_strategy.*one of"),
+        ("empty_model_dir", "--model_dir= ", r"model_dir must not be empty"),
+        ("tpu_without_address", "--distribution_strategy=tpu", r"needs --tpu"),
+        ("address_without_tpu", "--tpu=grpc://1.2.3.4:8470", r"only used with --distribution_strategy=tpu"),
+    )
+    def test_rejects(self, argument, pattern):
+        with flagsaver.flagsaver():
+            with self.assertRaisesRegex(flags.IllegalFlagValueError, pattern):
+                FLAGS(["prog", argument])
+
+
+if __name__ == "__main__":
+    absltest.main()

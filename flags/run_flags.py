@@ -1,0 +1,25 @@
+"""Run and path flags: where a run writes, where data lives, its seed."""
+
+from absl import flags
+
+MODEL_DIR = flags.DEFINE_string(
+    "model_dir",
+    "runs/default",
+    "Directory for checkpoints, TensorBoard event files and results. A run "
+    "restarted with the same --model_dir resumes from its last checkpoint.",
+)
+DATA_DIR = flags.DEFINE_string(
+    "data_dir",
+    None,
+    "TensorFlow Datasets data directory. Default: TFDS's own default "
+    "(the TFDS_DATA_DIR environment variable, else ~/tensorflow_datasets). "
+    "Offline, real MNIST is at ../shared/data/tensorflow_datasets.",
+)
+SEED = flags.DEFINE_integer(
+    "seed", 0, "Seed for weight initialisation and data order.", lower_bound=0
+)
+
+
+@flags.validator("model_dir", message="--model_dir must not be empty.")
+def _model_dir_not_empty(value):
+    return bool(value and value.strip())

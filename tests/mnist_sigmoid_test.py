@@ -1,0 +1,120 @@
+"""End-to-end tests of the sigmoid MNIST trainer on mock and real data."""
+
+import json
+import os
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import flagsaver
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from tests import flag_state
+from tests import tensorboard_events
+from trainers import mnist_data
+from trainers import mnist_sigmoid
+
+SHARED_DATA = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "tensorflow_datasets"
+)
+
+
+def setUpModule():
+    flag_state.ensure_parsed()
+
+
+def _run(model_dir, **overrides):
+    settings = dict(model_dir=model_dir, train_steps=8, eval_every=4, batch_size=20, probe_size=30, seed=1)
+    settings.update(overrides)
+    with tfds.testing.mock_data(num_examples=100), flagsaver.flagsaver(**settings):
+        mnist_sigmoid.main(["mnist_sigmoid"])
+    with open(os.path.join(model_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def _weights(run_dir):
+    reader = tf.train.load_checkpoint(os.path.join(run_dir, "checkpoints"))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map() if "model" in name}
+
+
+class MnistSigmoidTest(parameterized.TestCase):
+
+    def test_smoke_run_writes_metrics_events_figure_and_summary(self):
+        model_dir = tempfile.mkdtemp()
+        summary = _run(model_dir)
+        self.assertCountEqual(summary["runs"], ["baseline", "batch_norm"])
+        for name, run in summary["runs"].items():
+            self.assertEqual(run["steps"], 8)
+            self.assertTrue(0.0 <= run["final_test_accuracy"] <= 1.0)
+            self.assertGreaterEqual(run["best_test_accuracy"], run["final_test_accuracy"])
+            tags = tensorboard_events.read_events(os.path.join(model_dir, name))
+            for tag in ("train/loss", "train/learning_rate", "eval/test_accuracy",
+                        "sigmoid_input/p15", "sigmoid_input/p50", "sigmoid_input/p85"):
+                self.assertEqual([s for s, _ in tags[tag]], [4, 8], tag)
+                self.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
+            p15, p85 = tags["sigmoid_input/p15"][-1][1], tags["sigmoid_input/p85"][-1][1]
+            self.assertLessEqual(p15, p85)
+            for layer in (1, 2, 3):
+                self.assertIn(f"pre_activation/layer_{layer}", tags)
+            self.assertIn("flags", tags)
+            with open(os.path.join(model_dir, name, "history.json")) as f:
+                self.assertEqual([e["step"] for e in json.load(f)["evals"]], [4, 8])
+        with open(os.path.join(model_dir, "figure1.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+        self.assertEqual(summary["flags"]["learning_rate"], 0.5)
+
+    def test_resume_continues_without_repeating_or_skipping(self):
+        straight = tempfile.mkdtemp()
+        _run(straight, norm="batch_norm")
+        interrupted = tempfile.mkdtemp()
+        _run(interrupted, norm="batch_norm", train_steps=4)  # "killed" after step 4
+        summary = _run(interrupted, norm="batch_norm")
+        self.assertEqual(summary["runs"]["batch_norm"]["steps"], 8)
+        with open(os.path.join(interrupted, "batch_norm", "history.json")) as f:
+            resumed = json.load(f)["evals"]
+        with open(os.path.join(straight, "batch_norm", "history.json")) as f:
+            expected = json.load(f)["evals"]
+        self.assertEqual([e["step"] for e in resumed], [4, 8])
+        for a, b in zip(resumed, expected):
+            self.assertAlmostEqual(a["train_loss"], b["train_loss"], places=5)
+            self.assertAlmostEqual(a["test_accuracy"], b["test_accuracy"], places=5)
+        a, b = _weights(os.path.join(interrupted, "batch_norm")), _weights(os.path.join(straight, "batch_norm"))
+        self.assertEqual(sorted(a), sorted(b))
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+    def test_completed_run_is_not_retrained(self):
+        model_dir = tempfile.mkdtemp()
+        first = _run(model_dir, norm="none")
+        second = _run(model_dir, norm="none")
+        self.assertEqual(first["runs"], {k: {**v, "wall_time_s": v["wall_time_s"]} for k, v in second["runs"].items()})
+
+    def test_data_order_is_a_function_of_seed_and_step(self):
+        full = mnist_data.example_order(100, 20, seed=3, num_steps=12)
+        self.assertLen(full, 240)
+        for epoch in range(2):
+            self.assertCountEqual(full[epoch * 100:(epoch + 1) * 100], range(100))
+        images = np.arange(100, dtype=np.float32)[:, None]
+        labels = np.arange(100, dtype=np.int32)
+        resumed = list(mnist_data.make_dataset(images, labels, 20, 3, start_step=7, num_steps=12))
+        self.assertLen(resumed, 5)
+        np.testing.assert_array_equal(resumed[0][1], full[140:160])
+
+    def test_missing_data_names_the_flag(self):
+        with self.assertRaisesRegex(FileNotFoundError, r"--data_dir='.*'.*shared/data/tensorflow_datasets"):
+            mnist_data.load_mnist(tempfile.mkdtemp(), "test")
+
+    def test_reads_real_mnist(self):
+        if not os.path.isdir(os.path.join(SHARED_DATA, "mnist")):
+            self.skipTest(f"real MNIST not present at {os.path.normpath(SHARED_DATA)}")
+        images, labels = mnist_data.load_mnist(SHARED_DATA, "test")
+        self.assertEqual(images.shape, (10000, 784))
+        self.assertEqual(images.dtype, np.float32)
+        self.assertTrue(0.0 <= images.min() and images.max() <= 1.0)
+        self.assertCountEqual(np.unique(labels), range(10))
+
+
+if __name__ == "__main__":
+    absltest.main()

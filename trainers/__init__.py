@@ -1,0 +1,1 @@
+"""absl trainers reproducing the experiments of Ioffe & Szegedy (2015)."""

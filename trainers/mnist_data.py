@@ -1,0 +1,68 @@
+"""MNIST from TFDS, held in memory, in a resumable deterministic order."""
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+
+def load_mnist(data_dir, split):
+    """Returns `(images, labels)` of an MNIST split as NumPy arrays.
+
+    Images are float32 in [0, 1], flattened to 784; labels int32. The data is
+    read from `data_dir` with no download attempt.
+
+    Raises:
+        FileNotFoundError: when the prepared data set is not under `data_dir`
+            (the message names the --data_dir flag).
+    """
+    try:
+        dataset = tfds.load("mnist", split=split, data_dir=data_dir, download=False)
+    except (AssertionError, FileNotFoundError, tfds.core.registered.DatasetNotFoundError) as error:
+        raise FileNotFoundError(
+            f"MNIST (TFDS 'mnist', split {split!r}) was not found under "
+            f"--data_dir={data_dir!r} (None means TFDS's default). Pass "
+            "--data_dir=DIR where DIR/mnist/3.0.1 holds the prepared data; "
+            "offline, use --data_dir=../shared/data/tensorflow_datasets. "
+            f"TFDS said: {error}"
+        ) from error
+    # Batches of 10k rather than batch_size=-1, which aborts the process
+    # (std::length_error) under tfds.testing.mock_data.
+    batches = list(tfds.as_numpy(dataset.batch(10_000)))
+    images = np.concatenate([b["image"] for b in batches])
+    labels = np.concatenate([b["label"] for b in batches])
+    return images.reshape(len(images), -1).astype(np.float32) / 255.0, labels.astype(np.int32)
+
+
+def example_order(num_examples, batch_size, seed, num_steps):
+    """Indices of the examples for steps 0..num_steps-1, flattened.
+
+    Each epoch is a fresh permutation drawn from one seeded generator, and
+    every step takes `batch_size` consecutive indices, dropping each epoch's
+    remainder. The order for step s depends only on (seed, s), so a resumed
+    run sees exactly the batches a run without interruption would.
+    """
+    steps_per_epoch = num_examples // batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"The batch size exceeds the {num_examples} training examples. "
+            f"Received: batch_size={batch_size}"
+        )
+    rng = np.random.RandomState(seed)
+    epochs = -(-num_steps // steps_per_epoch)
+    per_epoch = steps_per_epoch * batch_size
+    return np.concatenate(
+        [rng.permutation(num_examples)[:per_epoch] for _ in range(epochs)]
+    )[: num_steps * batch_size]
+
+
+def make_dataset(images, labels, batch_size, seed, start_step, num_steps):
+    """Training batches for steps `start_step`..`num_steps-1` as a tf.data set."""
+    order = example_order(len(images), batch_size, seed, num_steps)
+    order = order[start_step * batch_size :]
+    images, labels = tf.constant(images), tf.constant(labels)
+    return (
+        tf.data.Dataset.from_tensor_slices(order)
+        .batch(batch_size, drop_remainder=True)
+        .map(lambda idx: (tf.gather(images, idx), tf.gather(labels, idx)))
+        .prefetch(tf.data.AUTOTUNE)
+    )
