@@ -33,3 +33,9 @@ flags.register_multi_flags_validator(
     lambda values: values["distribution_strategy"] != "tpu" or bool(values["tpu"]),
     message="--distribution_strategy=tpu needs --tpu (a name, address or 'local').",
 )
+NUM_CPU_DEVICES = flags.DEFINE_integer(
+    "num_cpu_devices", None,
+    "Split the CPU into this many logical devices before creating the "
+    "strategy, to run multi-replica code on a machine without accelerators.",
+    lower_bound=1,
+)

@@ -31,8 +31,12 @@ def local_moments(x, axes, weights=None):
         for axis in axes:
             count = count * shape[axis]
         count = ops.cast(count, "float32")
-        mean = ops.divide_no_nan(ops.sum(x, axis=axes, keepdims=True), count)
-        m2 = ops.sum(ops.square(x - mean), axis=axes, keepdims=True)
+        # Two-pass moments (fused squared difference on TensorFlow); an empty
+        # batch yields NaN there, replaced by zeros.
+        mean, variance = ops.moments(x, axes, keepdims=True)
+        has_values = count > 0.0
+        mean = ops.where(has_values, mean, 0.0)
+        m2 = ops.where(has_values, variance * count, 0.0)
     else:
         count = ops.sum(weights)
         mean = ops.divide_no_nan(

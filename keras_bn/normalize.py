@@ -48,11 +48,14 @@ def normalize_with_batch_statistics(
         variance = ops.divide_no_nan(m2, count)
         inv = ops.rsqrt(variance + epsilon)
         scale = gamma * inv
-        centered = x - mean
-        y = centered * scale + beta
+        y = x * scale + (beta - mean * scale)
 
         def grad(dy, *unused_statistics_grads, **unused_kwargs):
             dy = ops.cast(dy, "float32")
+            # Recomputed rather than kept from the forward pass: holding one
+            # more full-size tensor per layer until the backward pass costs
+            # more memory traffic than the subtraction.
+            centered = x - mean
             sum_dy = ops.sum(dy, axis=axes, keepdims=True)
             sum_dy_xhat = (
                 ops.sum(dy * centered, axis=axes, keepdims=True) * inv

@@ -38,6 +38,7 @@ import keras_bn
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
+from trainers import loops
 from trainers import mnist_data
 from trainers import strategy as strategy_lib
 from trainers import summaries
@@ -90,28 +91,6 @@ def build_model(norm, init_std, seed):
     return model, keras.Model(inputs, pre_activations, name="probe")
 
 
-def _train_loop(strategy, model, optimizer, global_batch):
-    """A compiled function running n SGD steps from a distributed iterator."""
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-
-    def replica_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True)) / global_batch
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def run(iterator, n):
-        total = tf.constant(0.0)
-        for _ in tf.range(n):
-            per_replica = strategy.run(replica_step, args=next(iterator))
-            total += strategy.reduce("SUM", per_replica, axis=None)
-        return total / tf.cast(n, tf.float32)
-
-    return run
-
-
 def train_and_evaluate(
     *, norm, train, test, run_dir, train_steps, batch_size, learning_rate,
     init_std, seed, eval_every, probe_size, strategy, flag_values,
@@ -130,19 +109,12 @@ def train_and_evaluate(
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
     manager = tf.train.CheckpointManager(checkpoint, os.path.join(run_dir, "checkpoints"), max_to_keep=2)
     history_path = os.path.join(run_dir, "history.json")
-    history = {"evals": [], "steps": 0, "wall_time_s": 0.0}
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-        saved = summaries.read_json(history_path, history)
-        restored = int(step.numpy())
-        # Evaluations logged after the checkpoint are redone after resuming.
-        history = {
-            "evals": [e for e in saved["evals"] if e["step"] <= restored],
-            "steps": restored,
-            "wall_time_s": saved["wall_time_s"],
-        }
-        logging.info("%s: resumed from %s at step %d", norm, manager.latest_checkpoint, restored)
+    history = loops.restore(
+        checkpoint, manager, history_path, step, {"evals": [], "steps": 0, "wall_time_s": 0.0}
+    )
     start = int(step.numpy())
+    if start:
+        logging.info("%s: resumed from %s at step %d", norm, manager.latest_checkpoint, start)
     writer = tf.summary.create_file_writer(run_dir)
     if start == 0:
         summaries.write_flags(writer, flag_values)
@@ -152,7 +124,8 @@ def train_and_evaluate(
     images, labels = train
     dataset = mnist_data.make_dataset(images, labels, batch_size, seed, start, train_steps)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    run_steps = _train_loop(strategy, model, optimizer, batch_size)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size)
     test_images, test_labels = tf.constant(test[0]), test[1]
     probe_images = tf.constant(test[0][:probe_size])
     evaluate = tf.function(lambda x: model(x, training=False))
@@ -249,7 +222,9 @@ def main(argv):
     }
     values.update(settings)
     strategy = strategy_lib.create_strategy(
-        distribution_flags.DISTRIBUTION_STRATEGY.value, distribution_flags.TPU.value
+        distribution_flags.DISTRIBUTION_STRATEGY.value,
+        distribution_flags.TPU.value,
+        distribution_flags.NUM_CPU_DEVICES.value,
     )
     train = mnist_data.load_mnist(run_flags.DATA_DIR.value, "train")
     test = mnist_data.load_mnist(run_flags.DATA_DIR.value, "test")

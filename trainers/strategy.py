@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 
-def create_strategy(name, tpu=None):
+def create_strategy(name, tpu=None, num_cpu_devices=None):
     """Returns the `tf.distribute.Strategy` called `name`.
 
     Create it before any dataset or model: datasets are then distributed by
@@ -13,16 +13,27 @@ def create_strategy(name, tpu=None):
         name: one of "off", "one_device", "mirrored", "multi_worker_mirrored",
             "tpu".
         tpu: the TPU name or address for "tpu" ("local" on a TPU VM).
+        num_cpu_devices: if set, first split the CPU into this many logical
+            devices; "mirrored" then mirrors over them when there is no GPU.
 
     Raises:
         ValueError: for an unknown name or "tpu" without `tpu`.
     """
+    if num_cpu_devices:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices
+        )
     if name == "off":
         return tf.distribute.get_strategy()
     if name == "one_device":
         gpus = tf.config.list_logical_devices("GPU")
         return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
     if name == "mirrored":
+        if num_cpu_devices and not tf.config.list_logical_devices("GPU"):
+            return tf.distribute.MirroredStrategy(
+                [d.name for d in tf.config.list_logical_devices("CPU")]
+            )
         return tf.distribute.MirroredStrategy()
     if name == "multi_worker_mirrored":
         return tf.distribute.MultiWorkerMirroredStrategy()

@@ -1,0 +1,166 @@
+"""Tests of the BN-Inception model, recipes and trainer (fake data)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import flagsaver
+from absl.testing import parameterized
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_bn
+from tests import flag_state
+from tests import tensorboard_events
+from trainers import imagenet_data
+from trainers import inception_bn
+from trainers import inception_model
+from trainers import inception_recipes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def setUpModule():
+    flag_state.ensure_parsed()
+
+
+SMOKE = dict(use_fake_data=True, image_size=32, train_steps=4, eval_every=2, eval_steps=1, batch_size=4)
+
+
+def _smoke(model_dir, **overrides):
+    with flagsaver.flagsaver(model_dir=model_dir, **{**SMOKE, **overrides}):
+        inception_bn.main(["inception_bn"])
+    with open(os.path.join(model_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+class ModelTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("bn", True, False, 11_298_560), ("inception", False, True, 11_268_512)
+    )
+    def test_builds_at_224_with_expected_parameters(self, batch_norm, lrn, params):
+        model = inception_model.build_inception(batch_norm=batch_norm, lrn=lrn)
+        self.assertEqual(tuple(model.output.shape), (None, 1000))
+        self.assertEqual(model.count_params(), params)
+        concat = {l.name: tuple(l.output.shape[1:]) for l in model.layers if l.name.endswith("_concat")}
+        self.assertEqual(concat["inception_3a_concat"], (28, 28, 256))
+        self.assertEqual(concat["inception_3c_concat"], (14, 14, 576))
+        self.assertEqual(concat["inception_4d_concat"], (14, 14, 608))
+        self.assertEqual(concat["inception_4e_concat"], (7, 7, 1056))
+        self.assertEqual(concat["inception_5b_concat"], (7, 7, 1024))
+        bns = [l for l in model.layers if isinstance(l, keras_bn.BatchNormalization)]
+        self.assertLen(bns, 69 if batch_norm else 0)
+
+    def test_bn_precedes_every_nonlinearity_without_bias(self):
+        model = inception_model.build_inception(image_size=32, activation="sigmoid")
+        for layer in model.layers:
+            if layer.name.endswith("_act"):
+                self.assertEqual(layer.get_config()["activation"], "sigmoid")
+                bn = layer._inbound_nodes[0].parent_nodes[0].operation
+                self.assertIsInstance(bn, keras_bn.BatchNormalization)
+                conv = bn._inbound_nodes[0].parent_nodes[0].operation
+                self.assertFalse(conv.use_bias, conv.name)
+
+    def test_small_image_size_runs(self):
+        model = inception_model.build_inception(image_size=32, num_classes=10, dropout=0.4, lrn=True, batch_norm=False)
+        out = model(np.zeros((2, 32, 32, 3), np.float32), training=True)
+        self.assertEqual(out.shape, (2, 10))
+
+
+class RecipeTest(parameterized.TestCase):
+
+    def test_accelerated_recipe_bundle(self):
+        base, x5 = inception_recipes.RECIPES["inception"], inception_recipes.RECIPES["bn_x5"]
+        self.assertAlmostEqual(x5.learning_rate, 5 * 0.0015)
+        self.assertAlmostEqual(inception_recipes.RECIPES["bn_x30"].learning_rate, 30 * 0.0015)
+        self.assertEqual((base.dropout, x5.dropout), (0.4, 0.0))
+        self.assertAlmostEqual(x5.weight_decay, base.weight_decay / 5)
+        self.assertEqual(x5.decay_steps, base.decay_steps // 6)
+        self.assertEqual((base.lrn, x5.lrn), (True, False))
+        self.assertLess(x5.distortion, base.distortion)
+        self.assertTrue(x5.thorough_shuffle and not base.thorough_shuffle)
+        self.assertEqual(inception_recipes.RECIPES["bn_x5_sigmoid"].activation, "sigmoid")
+        self.assertEqual(inception_recipes.RECIPES["bn_baseline"].learning_rate, base.learning_rate)
+
+    def test_flags_override_recipe(self):
+        recipe = inception_recipes.resolve("bn_x30", learning_rate=0.1, dropout=None)
+        self.assertEqual(recipe.learning_rate, 0.1)
+        self.assertEqual(recipe.dropout, 0.0)
+
+
+class TrainerTest(parameterized.TestCase):
+
+    def _check_run(self, model_dir, summary, steps):
+        self.assertEqual(summary["steps"], steps)
+        self.assertTrue(np.isfinite(summary["final"]["loss"]))
+        tags = tensorboard_events.read_events(model_dir)
+        for tag in ("train/loss", "train/learning_rate", "eval/top1", "eval/top5", "train/images_per_sec"):
+            self.assertIn(tag, tags)
+            self.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
+        self.assertIn("flags", tags)
+        self.assertIsNotNone(tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")))
+        return tags
+
+    def test_bn_baseline_smoke_and_resume(self):
+        model_dir = tempfile.mkdtemp()
+        summary = _smoke(model_dir, variant="bn_baseline", train_steps=2)
+        self._check_run(model_dir, summary, 2)
+        summary = _smoke(model_dir, variant="bn_baseline", train_steps=4, target_accuracy=0.0)
+        tags = self._check_run(model_dir, summary, 4)
+        self.assertEqual([s for s, _ in tags["eval/top1"]], [2, 4])  # continued, not restarted
+        self.assertEqual(summary["steps_to_target"], 4)  # first evaluation of the resumed run
+
+    @pytest.mark.slow
+    @parameterized.parameters("inception", "bn_x5", "bn_x30", "bn_x5_sigmoid")
+    def test_variant_smoke(self, variant):
+        model_dir = tempfile.mkdtemp()
+        summary = _smoke(model_dir, variant=variant, steps_per_execution=2)
+        self._check_run(model_dir, summary, 4)
+        self.assertEqual(summary["paper"], inception_recipes.PAPER_RESULTS[variant])
+
+    def test_uneven_global_batch_is_rejected(self):
+        with self.assertRaisesRegex(ValueError, r"split evenly.*Received: batch_size=5"):
+            with flagsaver.flagsaver(num_cpu_devices=None):
+                inception_bn.train_and_evaluate(
+                    recipe=inception_recipes.RECIPES["bn_x5"], model_dir=tempfile.mkdtemp(), data_dir=None,
+                    use_fake_data=True, image_size=32, train_steps=1, batch_size=5, eval_every=1,
+                    eval_steps=1, steps_per_execution=1, jit_compile=False, target_accuracy=0.7, seed=0,
+                    strategy=_TwoReplicaStub(), sync_batch_norm=False, flag_values={},
+                )
+
+    def test_missing_imagenet_names_the_flags(self):
+        with self.assertRaisesRegex(FileNotFoundError, r"--data_dir='.*'.*--use_fake_data"):
+            imagenet_data.make_dataset(
+                split="train", data_dir=tempfile.mkdtemp(), batch_size=2, image_size=32, distortion=1.0,
+                thorough_shuffle=False, seed=0, use_fake_data=False,
+            )
+
+    @pytest.mark.slow
+    def test_mirrored_two_devices_with_sync_batch_norm(self):
+        model_dir = tempfile.mkdtemp()
+        args = [f"--{k}={v}" for k, v in SMOKE.items() if k != "use_fake_data"] + [
+            "--use_fake_data", "--distribution_strategy=mirrored", "--num_cpu_devices=2",
+            "--sync_batch_norm", f"--model_dir={model_dir}", "--variant=bn_x5",
+        ]
+        result = subprocess.run(
+            [sys.executable, "-m", "trainers.inception_bn", *args], cwd=ROOT,
+            capture_output=True, text=True, timeout=600,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertIn("Global batch 4 = 2 replicas × 2 per replica", result.stderr)
+        with open(os.path.join(model_dir, "summary.json")) as f:
+            summary = json.load(f)
+        self._check_run(model_dir, summary, 4)
+
+
+class _TwoReplicaStub:
+    num_replicas_in_sync = 2
+
+
+if __name__ == "__main__":
+    absltest.main()
