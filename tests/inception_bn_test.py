@@ -38,6 +38,19 @@ def _smoke(model_dir, **overrides):
         return json.load(f)
 
 
+def _check_run(test, model_dir, summary, steps):
+    """Asserts a finished run's steps, finite metrics, event tags, checkpoint."""
+    test.assertEqual(summary["steps"], steps)
+    test.assertTrue(np.isfinite(summary["final"]["loss"]))
+    tags = tensorboard_events.read_events(model_dir)
+    for tag in ("train/loss", "train/learning_rate", "eval/top1", "eval/top5", "train/images_per_sec"):
+        test.assertIn(tag, tags)
+        test.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
+    test.assertIn("flags", tags)
+    test.assertIsNotNone(tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")))
+    return tags
+
+
 class ModelTest(parameterized.TestCase):
 
     @parameterized.named_parameters(
@@ -95,33 +108,14 @@ class RecipeTest(parameterized.TestCase):
 
 class TrainerTest(parameterized.TestCase):
 
-    def _check_run(self, model_dir, summary, steps):
-        self.assertEqual(summary["steps"], steps)
-        self.assertTrue(np.isfinite(summary["final"]["loss"]))
-        tags = tensorboard_events.read_events(model_dir)
-        for tag in ("train/loss", "train/learning_rate", "eval/top1", "eval/top5", "train/images_per_sec"):
-            self.assertIn(tag, tags)
-            self.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
-        self.assertIn("flags", tags)
-        self.assertIsNotNone(tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")))
-        return tags
-
     def test_bn_baseline_smoke_and_resume(self):
         model_dir = tempfile.mkdtemp()
         summary = _smoke(model_dir, variant="bn_baseline", train_steps=2)
-        self._check_run(model_dir, summary, 2)
+        _check_run(self, model_dir, summary, 2)
         summary = _smoke(model_dir, variant="bn_baseline", train_steps=4, target_accuracy=0.0)
-        tags = self._check_run(model_dir, summary, 4)
+        tags = _check_run(self, model_dir, summary, 4)
         self.assertEqual([s for s, _ in tags["eval/top1"]], [2, 4])  # continued, not restarted
         self.assertEqual(summary["steps_to_target"], 4)  # first evaluation of the resumed run
-
-    @pytest.mark.slow
-    @parameterized.parameters("inception", "bn_x5", "bn_x30", "bn_x5_sigmoid")
-    def test_variant_smoke(self, variant):
-        model_dir = tempfile.mkdtemp()
-        summary = _smoke(model_dir, variant=variant, steps_per_execution=2)
-        self._check_run(model_dir, summary, 4)
-        self.assertEqual(summary["paper"], inception_recipes.PAPER_RESULTS[variant])
 
     def test_uneven_global_batch_is_rejected(self):
         with self.assertRaisesRegex(ValueError, r"split evenly.*Received: batch_size=5"):
@@ -140,7 +134,18 @@ class TrainerTest(parameterized.TestCase):
                 thorough_shuffle=False, seed=0, use_fake_data=False,
             )
 
-    @pytest.mark.slow
+# A class-level mark: absl's parameterized copies do not inherit method marks.
+@pytest.mark.slow
+class SlowTrainerTest(parameterized.TestCase):
+    """Smoke runs of the other variants and a 2-device mirrored run."""
+
+    @parameterized.parameters("inception", "bn_x5", "bn_x30", "bn_x5_sigmoid")
+    def test_variant_smoke(self, variant):
+        model_dir = tempfile.mkdtemp()
+        summary = _smoke(model_dir, variant=variant, steps_per_execution=2)
+        _check_run(self, model_dir, summary, 4)
+        self.assertEqual(summary["paper"], inception_recipes.PAPER_RESULTS[variant])
+
     def test_mirrored_two_devices_with_sync_batch_norm(self):
         model_dir = tempfile.mkdtemp()
         args = [f"--{k}={v}" for k, v in SMOKE.items() if k != "use_fake_data"] + [
@@ -155,7 +160,8 @@ class TrainerTest(parameterized.TestCase):
         self.assertIn("Global batch 4 = 2 replicas × 2 per replica", result.stderr)
         with open(os.path.join(model_dir, "summary.json")) as f:
             summary = json.load(f)
-        self._check_run(model_dir, summary, 4)
+        _check_run(self, model_dir, summary, 4)
+
 
 
 class _TwoReplicaStub:
