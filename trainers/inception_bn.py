@@ -196,7 +196,7 @@ def main(argv):
         MIXED_PRECISION, JIT_COMPILE, EVAL_STEPS, TARGET_ACCURACY,
     ]
     values = summaries.flag_values(holders)
-    settings = {k: values[k] if values[k] is not None else d for k, d in DEFAULTS.items()}
+    settings = summaries.with_defaults(values, DEFAULTS)
     recipe = inception_recipes.resolve(
         VARIANT.value, learning_rate=training_flags.LEARNING_RATE.value, dropout=DROPOUT.value,
         weight_decay=WEIGHT_DECAY.value, decay_steps=DECAY_STEPS.value,

@@ -216,10 +216,7 @@ def main(argv):
         training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
         distribution_flags.DISTRIBUTION_STRATEGY, NORM, INIT_STD, PROBE_SIZE, TRAIN_SUBSET,
     ])
-    settings = {
-        key: values[key] if values[key] is not None else default
-        for key, default in DEFAULTS.items()
-    }
+    settings = summaries.with_defaults(values, DEFAULTS)
     values.update(settings)
     strategy = strategy_lib.create_strategy(
         distribution_flags.DISTRIBUTION_STRATEGY.value,

@@ -35,6 +35,11 @@ def flag_values(flag_holders):
     return {holder.name: holder.value for holder in flag_holders}
 
 
+def with_defaults(values, defaults):
+    """Each key of `defaults` from `values`, or its default where that is None."""
+    return {k: values[k] if values[k] is not None else d for k, d in defaults.items()}
+
+
 def run_dir(model_dir, name):
     path = os.path.join(model_dir, name)
     tf.io.gfile.makedirs(path)
