@@ -49,7 +49,7 @@ def _split(array, sizes):
     return np.split(array, np.cumsum(sizes)[:-1])
 
 
-def _layer_step(layer, mask=None):
+def _layer_step(layer):
     """Forward + gradients of sum(y * w) for one replica's part."""
 
     def step(x, w, m=None):
