@@ -115,7 +115,15 @@ class TrainerTest(parameterized.TestCase):
         summary = _smoke(model_dir, variant="bn_baseline", train_steps=4, target_accuracy=0.0)
         tags = _check_run(self, model_dir, summary, 4)
         self.assertEqual([s for s, _ in tags["eval/top1"]], [2, 4])  # continued, not restarted
-        self.assertEqual(summary["steps_to_target"], 4)  # first evaluation of the resumed run
+        # Derived from all kept evaluations: step 2 already had top-1 >= 0.0.
+        self.assertEqual(summary["steps_to_target"], 2)
+
+    def test_steps_to_target_is_the_first_evaluation_reaching_it(self):
+        evals = [{"step": 2, "top1": 0.5}, {"step": 4, "top1": 0.73}, {"step": 6, "top1": 0.71}]
+        self.assertEqual(inception_bn.steps_to_target(evals, 0.722), 4)
+        self.assertEqual(inception_bn.steps_to_target(evals, 0.5), 2)
+        self.assertIsNone(inception_bn.steps_to_target(evals, 0.9))
+        self.assertIsNone(inception_bn.steps_to_target(evals[:1], 0.722))
 
     def test_uneven_global_batch_is_rejected(self):
         with self.assertRaisesRegex(ValueError, r"split evenly.*Received: batch_size=5"):

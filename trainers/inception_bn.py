@@ -79,8 +79,12 @@ def build_model(recipe, *, image_size, sync_batch_norm):
     )
 
 
-def evaluate(strategy, model, dataset, eval_steps):
-    """Single-crop top-1 and top-5 accuracy over `dataset` (inference mode)."""
+def make_evaluator(strategy, model):
+    """Returns `evaluate(dataset, eval_steps) -> (top1, top5)`, traced once.
+
+    Single-crop accuracy in inference mode over at most `eval_steps` batches
+    (all of `dataset` when None).
+    """
 
     @tf.function
     def replica_eval(x, y):
@@ -90,12 +94,20 @@ def evaluate(strategy, model, dataset, eval_steps):
         top5 = tf.reduce_sum(tf.cast(tf.math.in_top_k(y, logits, 5), tf.float32))
         return tf.stack([top1, top5, tf.cast(tf.shape(y)[0], tf.float32)])
 
-    totals = np.zeros(3)
-    for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(dataset)):
-        if eval_steps is not None and i == eval_steps:
-            break
-        totals += strategy.reduce("SUM", strategy.run(replica_eval, args=(x, y)), axis=None).numpy()
-    return totals[0] / totals[2], totals[1] / totals[2]
+    def evaluate(dataset, eval_steps):
+        totals = np.zeros(3)
+        for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(dataset)):
+            if eval_steps is not None and i == eval_steps:
+                break
+            totals += strategy.reduce("SUM", strategy.run(replica_eval, args=(x, y)), axis=None).numpy()
+        return totals[0] / totals[2], totals[1] / totals[2]
+
+    return evaluate
+
+
+def steps_to_target(evals, target_accuracy):
+    """The first evaluated step whose top-1 reached the target, else None."""
+    return next((e["step"] for e in evals if e["top1"] >= target_accuracy), None)
 
 
 def train_and_evaluate(
@@ -103,7 +115,12 @@ def train_and_evaluate(
     eval_every, eval_steps, steps_per_execution, jit_compile, target_accuracy, seed,
     strategy, sync_batch_norm, flag_values,
 ):
-    """Trains and evaluates one variant; returns its history dict."""
+    """Trains and evaluates one variant; returns its history dict.
+
+    The step at which top-1 first reaches `target_accuracy` is derived from
+    the evaluation records, so a resumed run never keeps one from evaluations
+    after its checkpoint.
+    """
     replicas = strategy.num_replicas_in_sync
     if batch_size % replicas:
         raise ValueError(
@@ -122,7 +139,7 @@ def train_and_evaluate(
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
     manager = tf.train.CheckpointManager(checkpoint, os.path.join(model_dir, "checkpoints"), max_to_keep=3)
     history_path = os.path.join(model_dir, "history.json")
-    empty = {"evals": [], "steps": 0, "wall_time_s": 0.0, "steps_to_target": None}
+    empty = {"evals": [], "steps": 0, "wall_time_s": 0.0}
     history = loops.restore(checkpoint, manager, history_path, step, empty)
     start = int(step.numpy())
     if start:
@@ -142,6 +159,7 @@ def train_and_evaluate(
     iterator = iter(strategy.experimental_distribute_dataset(train_data))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size, jit_compile)
+    evaluate = make_evaluator(strategy, model)
 
     began = time.time() - history["wall_time_s"]
     while start < train_steps:
@@ -154,7 +172,7 @@ def train_and_evaluate(
         steps_run = start - interval_start
         images_per_sec = batch_size * steps_run / (time.time() - tick)
         step.assign(start)
-        top1, top5 = evaluate(strategy, model, eval_data, eval_steps)
+        top1, top5 = evaluate(eval_data, eval_steps)
         record = {
             "step": start,
             "loss": loss_sum / steps_run,
@@ -164,16 +182,15 @@ def train_and_evaluate(
             "images_per_sec": images_per_sec,
         }
         history["evals"].append(record)
-        if history["steps_to_target"] is None and top1 >= target_accuracy:
-            history["steps_to_target"] = start
+        reached = steps_to_target(history["evals"], target_accuracy)
         with writer.as_default(step=start):
             tf.summary.scalar("train/loss", record["loss"])
             tf.summary.scalar("train/learning_rate", record["learning_rate"])
             tf.summary.scalar("eval/top1", top1)
             tf.summary.scalar("eval/top5", top5)
             tf.summary.scalar("train/images_per_sec", images_per_sec)
-            if history["steps_to_target"] is not None:
-                tf.summary.scalar("eval/steps_to_target", history["steps_to_target"])
+            if reached is not None:
+                tf.summary.scalar("eval/steps_to_target", reached)
         writer.flush()
         history["steps"] = start
         history["wall_time_s"] = time.time() - began
@@ -225,7 +242,7 @@ def main(argv):
         "variant": VARIANT.value, "steps": history["steps"],
         "final": history["evals"][-1] if history["evals"] else None,
         "best_top1": max((e["top1"] for e in history["evals"]), default=None),
-        "steps_to_target": history["steps_to_target"],
+        "steps_to_target": steps_to_target(history["evals"], TARGET_ACCURACY.value),
         "paper": inception_recipes.PAPER_RESULTS[VARIANT.value], "flags": values,
     })
 
