@@ -136,17 +136,8 @@ def train_and_evaluate(
         optimizer = keras.optimizers.SGD(schedule, momentum=inception_recipes.MOMENTUM)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
-    manager = tf.train.CheckpointManager(checkpoint, os.path.join(model_dir, "checkpoints"), max_to_keep=3)
-    history_path = os.path.join(model_dir, "history.json")
-    empty = {"evals": [], "steps": 0, "wall_time_s": 0.0}
-    history = loops.restore(checkpoint, manager, history_path, step, empty)
-    start = int(step.numpy())
-    if start:
-        logging.info("Resumed from %s at step %d", manager.latest_checkpoint, start)
-    writer = tf.summary.create_file_writer(model_dir)
-    if start == 0:
-        summaries.write_flags(writer, flag_values)
+    run = loops.RunState(model_dir, step, flag_values, max_to_keep=3, model=model, optimizer=optimizer)
+    history, start = run.history, run.start
 
     data_kwargs = dict(
         data_dir=data_dir, image_size=image_size, distortion=recipe.distortion,
@@ -171,7 +162,6 @@ def train_and_evaluate(
             start += n
         steps_run = start - interval_start
         images_per_sec = batch_size * steps_run / (time.time() - tick)
-        step.assign(start)
         top1, top5 = evaluate(eval_data, eval_steps)
         record = {
             "step": start,
@@ -183,7 +173,7 @@ def train_and_evaluate(
         }
         history["evals"].append(record)
         reached = steps_to_target(history["evals"], target_accuracy)
-        with writer.as_default(step=start):
+        with run.writer.as_default(step=start):
             tf.summary.scalar("train/loss", record["loss"])
             tf.summary.scalar("train/learning_rate", record["learning_rate"])
             tf.summary.scalar("eval/top1", top1)
@@ -191,11 +181,8 @@ def train_and_evaluate(
             tf.summary.scalar("train/images_per_sec", images_per_sec)
             if reached is not None:
                 tf.summary.scalar("eval/steps_to_target", reached)
-        writer.flush()
-        history["steps"] = start
-        history["wall_time_s"] = time.time() - began
-        manager.save(checkpoint_number=start)
-        summaries.write_json(history_path, history)
+        run.writer.flush()
+        run.save(start, time.time() - began)
         logging.info("step %d/%d: loss %.4f, top-1 %.4f, top-5 %.4f, lr %.5f, %.1f images/s",
                      start, train_steps, record["loss"], top1, top5, record["learning_rate"], images_per_sec)
     return history

@@ -1,5 +1,8 @@
 """Training-loop pieces shared by the trainers: multi-step execution, resume."""
 
+import os
+
+from absl import logging
 import tensorflow as tf
 
 from trainers import summaries
@@ -44,18 +47,46 @@ def make_multi_step(strategy, model, optimizer, loss_fn, global_batch, jit_compi
     return run
 
 
-def restore(checkpoint, manager, history_path, step, empty_history):
-    """Restores the latest checkpoint and the history logged up to it.
+class RunState:
+    """A run's checkpoint, history file and TensorBoard writer, resumable.
 
-    Returns the history: `empty_history` for a fresh run, else the saved one
-    with evaluation records after the checkpoint's step dropped (they are
-    redone after resuming).
+    On creation it restores the latest checkpoint under `run_dir` (if any)
+    and the history logged up to it, dropping evaluation records after the
+    checkpoint's step (they are redone after resuming), and logs the flags
+    for a fresh run. `save` checkpoints and rewrites the history together, so
+    the two always agree.
+
+    Attributes:
+        history: dict with "evals" (one record per evaluation), "steps" and
+            "wall_time_s".
+        start: the step the run continues from (0 for a fresh run).
+        writer: the run's `tf.summary` writer.
     """
-    if not manager.latest_checkpoint:
-        return empty_history
-    checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-    saved = summaries.read_json(history_path, empty_history)
-    restored = int(step.numpy())
-    saved["evals"] = [e for e in saved["evals"] if e["step"] <= restored]
-    saved["steps"] = restored
-    return saved
+
+    def __init__(self, run_dir, step, flag_values, max_to_keep, **trackables):
+        self._step = step
+        self._checkpoint = tf.train.Checkpoint(step=step, **trackables)
+        self._manager = tf.train.CheckpointManager(
+            self._checkpoint, os.path.join(run_dir, "checkpoints"), max_to_keep=max_to_keep
+        )
+        self._history_path = os.path.join(run_dir, "history.json")
+        self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0}
+        if self._manager.latest_checkpoint:
+            self._checkpoint.restore(self._manager.latest_checkpoint).assert_existing_objects_matched()
+            self.history = summaries.read_json(self._history_path, self.history)
+            restored = int(step.numpy())
+            self.history["evals"] = [e for e in self.history["evals"] if e["step"] <= restored]
+            self.history["steps"] = restored
+            logging.info("Resumed from %s at step %d", self._manager.latest_checkpoint, restored)
+        self.start = int(step.numpy())
+        self.writer = tf.summary.create_file_writer(run_dir)
+        if self.start == 0:
+            summaries.write_flags(self.writer, flag_values)
+
+    def save(self, step, wall_time_s):
+        """Checkpoints at `step` and writes the history with it."""
+        self._step.assign(step)
+        self.history["steps"] = step
+        self.history["wall_time_s"] = wall_time_s
+        self._manager.save(checkpoint_number=step)
+        summaries.write_json(self._history_path, self.history)

@@ -106,18 +106,8 @@ def train_and_evaluate(
         optimizer = keras.optimizers.SGD(learning_rate)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
-    manager = tf.train.CheckpointManager(checkpoint, os.path.join(run_dir, "checkpoints"), max_to_keep=2)
-    history_path = os.path.join(run_dir, "history.json")
-    history = loops.restore(
-        checkpoint, manager, history_path, step, {"evals": [], "steps": 0, "wall_time_s": 0.0}
-    )
-    start = int(step.numpy())
-    if start:
-        logging.info("%s: resumed from %s at step %d", norm, manager.latest_checkpoint, start)
-    writer = tf.summary.create_file_writer(run_dir)
-    if start == 0:
-        summaries.write_flags(writer, flag_values)
+    run = loops.RunState(run_dir, step, flag_values, max_to_keep=2, model=model, optimizer=optimizer)
+    history, start = run.history, run.start
     if start >= train_steps:
         return history
 
@@ -136,14 +126,13 @@ def train_and_evaluate(
         n = min(eval_every - start % eval_every, train_steps - start)
         train_loss = float(run_steps(iterator, tf.constant(n)))
         start += n
-        step.assign(start)
         accuracy = float(np.mean(np.argmax(evaluate(test_images), -1) == test_labels))
         probes = [p.numpy() for p in pre_activations(probe_images)]
         quantiles = np.percentile(probes[-1][:, PROBE_UNIT], PERCENTILES)
         record = {"step": start, "test_accuracy": accuracy, "train_loss": train_loss}
         record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
         history["evals"].append(record)
-        with writer.as_default(step=start):
+        with run.writer.as_default(step=start):
             tf.summary.scalar("train/loss", train_loss)
             tf.summary.scalar("train/learning_rate", learning_rate)
             tf.summary.scalar("eval/test_accuracy", accuracy)
@@ -151,11 +140,8 @@ def train_and_evaluate(
                 tf.summary.scalar(f"sigmoid_input/p{q}", v)
             for i, values in enumerate(probes, start=1):
                 tf.summary.histogram(f"pre_activation/layer_{i}", values)
-        writer.flush()
-        history["steps"] = start
-        history["wall_time_s"] = time.time() - began
-        manager.save(checkpoint_number=start)
-        summaries.write_json(history_path, history)
+        run.writer.flush()
+        run.save(start, time.time() - began)
         logging.info(
             "%s step %d/%d: loss %.4f, test accuracy %.4f, sigmoid input p15/50/85 %.3f/%.3f/%.3f",
             RUN_NAMES[norm], start, train_steps, train_loss, accuracy, *quantiles,
