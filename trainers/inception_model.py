@@ -119,7 +119,7 @@ def build_inception(
             the benchmark passes `keras.layers.BatchNormalization`).
 
     Returns:
-        A `keras.Model` from uint8-range-free float images `(image_size,
+        A `keras.Model` from standardised float images `(image_size,
         image_size, 3)` to `num_classes` float32 logits.
     """
     b = _Builder(batch_norm, activation, weight_decay, sync_batch_norm, batch_norm_layer)
