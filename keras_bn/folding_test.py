@@ -21,6 +21,18 @@ def _randomize_statistics(model, seed):
                     weight.assign(rng.randn(*shape).astype(np.float32))
 
 
+def _cpu_runs_nchw_conv():
+    """Whether this machine's TensorFlow can run a channels-first Conv2D."""
+    import tensorflow as tf
+
+    try:
+        with tf.device("/cpu:0"):
+            tf.nn.conv2d(tf.zeros((1, 1, 2, 2)), tf.zeros((1, 1, 1, 1)), 1, "VALID", data_format="NCHW")
+    except tf.errors.UnimplementedError:
+        return False
+    return True
+
+
 class FoldTest(parameterized.TestCase):
 
     def _check(self, model, x, expected_identity):
@@ -51,7 +63,7 @@ class FoldTest(parameterized.TestCase):
         x = np.random.RandomState(1).randn(5, 8, 8, 3).astype(np.float32)
         self._check(model, x, ["bn1", "bn2"])
 
-    def test_functional_channels_first_and_unfoldable_cases(self):
+    def _channels_first_model(self):
         # Spatial sizes differ from the channel count: Keras 3.15's own
         # channels-first Conv2D adds its bias on the last axis when the two
         # coincide, which would make the unfolded reference itself wrong.
@@ -63,9 +75,35 @@ class FoldTest(parameterized.TestCase):
         branch = keras.layers.Conv2D(4, 1, data_format="channels_first", name="shared")(h)
         a = keras_bn.BatchNormalization(axis=1, name="bn_shared")(branch)
         outputs = keras.layers.Add()([a, branch])
-        model = keras.Model(inputs, outputs)
+        return keras.Model(inputs, outputs)
+
+    def test_channels_first_folds_kernel_and_bias_by_formula(self):
+        # Runs on every CPU: building and folding never execute the NCHW
+        # convolution, so the folded weights are checked against the formula
+        # W' = W·s, b' = (b − μ)·s + β with s = γ / √(σ² + ε), per channel.
+        model = self._channels_first_model()
+        _randomize_statistics(model, 0)
+        folded = keras_bn.fold_batch_norm(model)
+        conv, bn = model.get_layer("conv"), model.get_layer("bn_cf")
+        gamma, beta, mean, variance = (np.asarray(v, np.float64) for v in (bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance))
+        scale = gamma / np.sqrt(variance + bn.epsilon)
+        target = folded.get_layer("conv")
+        np.testing.assert_allclose(target.kernel, np.asarray(conv.kernel, np.float64) * scale, rtol=1e-6)
+        np.testing.assert_allclose(target.bias, (np.asarray(conv.bias, np.float64) - mean) * scale + beta, rtol=1e-6, atol=1e-6)
+        self.assertIsInstance(folded.get_layer("bn_cf"), folding.FoldedBatchNorm)
+        # A BN after a ReLU, or after a layer with a second consumer, stays.
+        for name in ("bn_after_relu", "bn_shared"):
+            self.assertIsInstance(folded.get_layer(name), keras_bn.BatchNormalization)
+            np.testing.assert_array_equal(folded.get_layer(name).moving_mean, model.get_layer(name).moving_mean)
+
+    def test_channels_first_conv_outputs_match(self):
+        if not _cpu_runs_nchw_conv():
+            self.skipTest(
+                "TensorFlow runs an NCHW Conv2D on the CPU only with its oneDNN kernels, which "
+                "are off on this machine (TF_ENABLE_ONEDNN_OPTS=0 or a CPU it does not enable them on)"
+            )
         x = np.random.RandomState(2).randn(2, 3, 9, 7).astype(np.float32)
-        folded = self._check(model, x, ["bn_cf"])
+        folded = self._check(self._channels_first_model(), x, ["bn_cf"])
         self.assertIsInstance(folded.get_layer("bn_after_relu"), keras_bn.BatchNormalization)
 
     def test_rejects_subclassed_model(self):
