@@ -48,10 +48,24 @@ class BatchNormalization(keras.layers.Layer):
     Synchronisation. With `synchronized=True`, in a replica context of
     `MirroredStrategy`, `MultiWorkerMirroredStrategy` or `TPUStrategy`, the
     statistics are those of the global batch: every replica's
-    (count, mean, Σ(x−mean)²) is merged with the stable parallel formula in a
-    single packed all-reduce, and the input gradient all-reduces Σg and Σg·x̂
-    in one more. Without a strategy, in cross-replica context or with one
-    replica the flag has no effect (local moments are then global).
+    (count, mean, Σ(x−mean)²) is merged with the stable parallel formula, and
+    the input gradient all-reduces Σg and Σg·x̂ (2C floats) once. The forward
+    merge all-reduces 3C + 1 floats in two collectives whatever the replica
+    count R (one collective of R·(2C + 1) floats when R = 2). Without a
+    strategy, in cross-replica context or with one replica the flag has no
+    effect (local moments are then global).
+
+    Replica groups. With `sync_group_size=k`, replicas are grouped
+    consecutively by replica id (0…k−1, k…2k−1, …) and each group normalises
+    with its own group's batch, forward and backward; replicas with unequal
+    or empty batches are count-weighted within their group. The forward pass
+    all-reduces G·(2C + 1) floats (G = R/k groups), the backward G·2C. Each
+    replica updates its moving statistics with its group's moments, so the
+    replicas' copies differ between groups; a checkpoint, export or any
+    cross-replica read holds their average over replicas, i.e. the mean of
+    the groups' moving statistics (for the variance: the mean within-group
+    variance), and a restore gives every replica that average. `k=1` means
+    local statistics.
 
     Precision. Statistics, weights and arithmetic are float32 whatever the
     input dtype; the output is cast to the layer's `compute_dtype`. Under a
@@ -75,6 +89,9 @@ class BatchNormalization(keras.layers.Layer):
             the moving variance (paper) instead of σ²_B (Keras).
         synchronized: bool, default False. Normalise with global-batch
             moments across replicas (see above).
+        sync_group_size: int >= 1 or `None`, default None (all replicas).
+            With `synchronized=True`, the replicas per group (see above); it
+            must divide the number of replicas in sync.
         beta_initializer: default "zeros".
         gamma_initializer: default "ones".
         moving_mean_initializer: default "zeros".
@@ -101,8 +118,14 @@ class BatchNormalization(keras.layers.Layer):
         ValueError: for an invalid `axis`, `momentum` or `epsilon`, an axis
             out of range or an undefined feature dimension at build, a
             training batch whose statistics would be over a single value
-            (m = 1) when that is known statically, or an unsupported mask.
-        TypeError: for non-float inputs or non-bool flags.
+            (m = 1) when that is known statically, an unsupported mask,
+            `sync_group_size` < 1 or without `synchronized=True`, and at the
+            first synchronised call a `sync_group_size` that does not divide
+            the replica count.
+        TypeError: for non-float inputs, non-bool flags or a non-int
+            `sync_group_size`.
+        RuntimeError: when a synchronised call runs where its collective
+            cannot (inside a `tf.function` nested in `strategy.run`).
 
     Reference:
         S. Ioffe and C. Szegedy, "Batch Normalization: Accelerating Deep
@@ -119,6 +142,7 @@ class BatchNormalization(keras.layers.Layer):
         scale=True,
         unbiased_variance=False,
         synchronized=False,
+        sync_group_size=None,
         beta_initializer="zeros",
         gamma_initializer="ones",
         moving_mean_initializer="zeros",
@@ -139,6 +163,9 @@ class BatchNormalization(keras.layers.Layer):
             "unbiased_variance", unbiased_variance
         )
         self.synchronized = _coerce_bool("synchronized", synchronized)
+        self.sync_group_size = _coerce_group_size(
+            sync_group_size, self.synchronized
+        )
         self.beta_initializer = initializers.get(beta_initializer)
         self.gamma_initializer = initializers.get(gamma_initializer)
         self.moving_mean_initializer = initializers.get(moving_mean_initializer)
@@ -255,8 +282,12 @@ class BatchNormalization(keras.layers.Layer):
             weights = self._mask_weights(inputs, mask)
             if weights is None:
                 self._check_static_count(inputs.shape)
-            context = (
-                moments.sync_replica_context() if self.synchronized else None
+            groups = (
+                moments.replica_groups(
+                    moments.sync_replica_context(), self.sync_group_size
+                )
+                if self.synchronized
+                else None
             )
             y, mean, variance, count = (
                 normalize.normalize_with_batch_statistics(
@@ -266,7 +297,7 @@ class BatchNormalization(keras.layers.Layer):
                     axes=self._reduction_axes,
                     epsilon=self.epsilon,
                     weights=weights,
-                    context=context,
+                    groups=groups,
                 )
             )
             mean = ops.reshape(mean, self.moving_mean.shape)
@@ -351,6 +382,7 @@ class BatchNormalization(keras.layers.Layer):
                 "scale": self.scale,
                 "unbiased_variance": self.unbiased_variance,
                 "synchronized": self.synchronized,
+                "sync_group_size": self.sync_group_size,
                 "beta_initializer": initializers.serialize(
                     self.beta_initializer
                 ),
@@ -417,6 +449,28 @@ def _coerce_epsilon(epsilon):
             f"Expected `epsilon` >= 0. Received: epsilon={epsilon}"
         )
     return epsilon
+
+
+def _coerce_group_size(group_size, synchronized):
+    if group_size is None:
+        return None
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        raise TypeError(
+            "Expected `sync_group_size` to be an int or None. "
+            f"Received: sync_group_size={group_size!r}"
+        )
+    if group_size < 1:
+        raise ValueError(
+            "Expected `sync_group_size` >= 1. "
+            f"Received: sync_group_size={group_size}"
+        )
+    if not synchronized:
+        raise ValueError(
+            "`sync_group_size` groups replicas for synchronised statistics and "
+            "needs synchronized=True. "
+            f"Received: sync_group_size={group_size}, synchronized=False"
+        )
+    return int(group_size)
 
 
 def _coerce_bool(name, value):

@@ -353,6 +353,7 @@ class SerializationTest(parameterized.TestCase):
             center=False,
             unbiased_variance=True,
             synchronized=True,
+            sync_group_size=8,
             gamma_regularizer="l2",
             beta_constraint="non_neg",
             name="bn",
@@ -364,6 +365,7 @@ class SerializationTest(parameterized.TestCase):
         self.assertIsInstance(restored, BatchNormalization)
         self.assertEqual(restored.axis, (1, 3))
         self.assertIsNone(restored.momentum)
+        self.assertEqual(restored.sync_group_size, 8)
 
     def _trained_model(self):
         model = _small_model(momentum=0.5)
@@ -433,6 +435,10 @@ class ValidationTest(parameterized.TestCase):
         ("axis_empty", {"axis": []}, TypeError, r"Received: axis=\[\]"),
         ("flag_type", {"center": "yes"}, TypeError, r"Received: center='yes'"),
         ("synchronized_type", {"synchronized": 1}, TypeError, r"Received: synchronized=1"),
+        ("group_size_type", {"synchronized": True, "sync_group_size": 2.0}, TypeError, r"Received: sync_group_size=2.0"),
+        ("group_size_bool", {"synchronized": True, "sync_group_size": True}, TypeError, r"Received: sync_group_size=True"),
+        ("group_size_zero", {"synchronized": True, "sync_group_size": 0}, ValueError, r">= 1. Received: sync_group_size=0"),
+        ("group_size_unsynchronized", {"sync_group_size": 2}, ValueError, r"needs synchronized=True. Received: sync_group_size=2"),
     )
     def test_constructor_rejects(self, kwargs, error, pattern):
         with self.assertRaisesRegex(error, pattern):

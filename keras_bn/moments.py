@@ -5,32 +5,36 @@ squared deviations from `mean`. The triple merges exactly and stably across
 replicas (Chan, Golub & LeVeque 1979), unlike the raw sums of x and x², whose
 difference E[x²] − E[x]² loses every significant digit of the variance once
 |mean| / std approaches the float32 resolution (about 4e3).
+
+TensorFlow is imported only where a strategy's replica context is looked up,
+so local statistics need no TensorFlow.
 """
 
-import tensorflow as tf
+import contextlib
+
 from keras import ops
 
 
 def local_moments(x, axes, weights=None):
-    """Returns `(count, mean, m2)` of float32 `x` over `axes` (kept as size 1).
+    """Returns `(count, mean, m2)` of `x` over `axes` (kept as size 1).
 
     Args:
-        x: float32 tensor.
+        x: float tensor (float32 or float64), the statistics' dtype.
         axes: tuple of the axes to reduce.
-        weights: `None`, or a float32 0/1 tensor broadcastable to `x` with
-            size 1 on every axis not in `axes` (a mask).
+        weights: `None`, or a 0/1 tensor of `x`'s dtype broadcastable to `x`
+            with size 1 on every axis not in `axes` (a mask).
 
     Returns:
-        `count`, a float32 scalar (the number of values each statistic is
-        over), and `mean`, `m2` of `x`'s rank with size 1 on `axes`. An empty
-        batch gives count 0 and zero mean and m2, never NaN.
+        `count`, a scalar of `x`'s dtype (the number of values each statistic
+        is over), and `mean`, `m2` of `x`'s rank with size 1 on `axes`. An
+        empty batch gives count 0 and zero mean and m2, never NaN.
     """
     if weights is None:
         shape = ops.shape(x)
         count = 1
         for axis in axes:
             count = count * shape[axis]
-        count = ops.cast(count, "float32")
+        count = ops.cast(count, x.dtype)
         # Two-pass moments (fused squared difference on TensorFlow); an empty
         # batch yields NaN there, replaced by zeros.
         mean, variance = ops.moments(x, axes, keepdims=True)
@@ -46,78 +50,215 @@ def local_moments(x, axes, weights=None):
     return count, mean, m2
 
 
+_CONTEXT_OVERRIDES = []
+
+
+@contextlib.contextmanager
+def use_replica_context(context):
+    """Within the block, synchronised layers use `context` as their replica context.
+
+    For stand-in contexts (tests, and the traffic count of
+    `benchmarks.sync_speed --payload`): any object with
+    `num_replicas_in_sync`, `replica_id_in_sync_group` and
+    `all_reduce(op, value)` like `tf.distribute.ReplicaContext`.
+    """
+    _CONTEXT_OVERRIDES.append(context)
+    try:
+        yield context
+    finally:
+        _CONTEXT_OVERRIDES.pop()
+
+
 def sync_replica_context():
     """The replica context to synchronise over, or `None` for local moments.
 
     `None` outside any strategy, in cross-replica context, and when there is a
     single replica, where local moments already are the global ones.
     """
-    context = tf.distribute.get_replica_context()
+    if _CONTEXT_OVERRIDES:
+        context = _CONTEXT_OVERRIDES[-1]
+    else:
+        import tensorflow as tf  # Only the synchronised path needs it.
+
+        context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return None
     return context
 
 
-def cross_replica_moments(context, count, mean, m2):
-    """Merges every replica's `(count, mean, m2)` into the global-batch triple.
-
-    One all-reduce of one packed tensor: each replica writes its
-    `[count, mean, m2]` row into its own slot of an `(R, 2C + 1)` zero tensor,
-    so the SUM all-reduce gathers all rows, and every replica then applies the
-    parallel merge
-        n  = Σ n_r,   μ = Σ n_r μ_r / n,   M2 = Σ M2_r + Σ n_r (μ_r − μ)²,
-    which is exact and free of cancellation. Replicas with no examples have
-    n_r = 0 and drop out. The shapes are static (R is the replica count), so
-    the op compiles under XLA and on TPUs.
+def replica_groups(context, group_size):
+    """The `ReplicaGroups` a synchronised layer reduces over, or `None`.
 
     Args:
-        context: a `tf.distribute.ReplicaContext` from `sync_replica_context`.
-        count: float32 scalar, the local count.
-        mean: local means, any shape (feature axes), float32.
-        m2: local sums of squared deviations, shaped like `mean`.
+        context: the result of `sync_replica_context()`.
+        group_size: replicas per group, or `None` for all replicas.
 
     Returns:
-        The global `(count, mean, m2)`, shaped as the inputs.
+        `None` when there is nothing to synchronise (no context, or groups of
+        one replica, i.e. local statistics), else a `ReplicaGroups`.
+
+    Raises:
+        ValueError: if `group_size` does not divide the replica count.
     """
-    shape = ops.shape(mean)
-    mean_flat = ops.reshape(mean, (-1,))
-    m2_flat = ops.reshape(m2, (-1,))
-    channels = mean_flat.shape[0]
-    row = ops.concatenate(
-        [ops.reshape(count, (1,)), mean_flat, m2_flat], axis=0
-    )
-    slot = ops.one_hot(
-        context.replica_id_in_sync_group,
-        context.num_replicas_in_sync,
-        dtype="float32",
-    )
-    rows = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, slot[:, None] * row[None, :]
-    )
-    counts = rows[:, :1]
-    means = rows[:, 1 : 1 + channels]
-    m2s = rows[:, 1 + channels :]
-    total = ops.sum(counts)
-    global_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
-    global_m2 = ops.sum(m2s, axis=0) + ops.sum(
-        counts * ops.square(means - global_mean), axis=0
-    )
-    return (
-        total,
-        ops.reshape(global_mean, shape),
-        ops.reshape(global_m2, shape),
-    )
+    if context is None or group_size == 1:
+        return None
+    return ReplicaGroups(context, group_size)
 
 
-def cross_replica_sum(context, tensors):
-    """Sums a list of float32 tensors over replicas in one packed all-reduce."""
-    flat = [ops.reshape(t, (-1,)) for t in tensors]
-    sizes = [f.shape[0] for f in flat]
-    packed = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, ops.concatenate(flat, axis=0)
-    )
-    out, start = [], 0
-    for tensor, size in zip(tensors, sizes):
-        out.append(ops.reshape(packed[start : start + size], ops.shape(tensor)))
-        start += size
-    return out
+class ReplicaGroups:
+    """Sums and moment merges over the replicas of this replica's group.
+
+    Replicas are grouped consecutively by id: group g holds replicas
+    g·k … g·k + k − 1 for group size k. A strategy's all-reduce spans every
+    replica, so a group-restricted sum gives each group its own slot: a
+    replica writes its values into row g of a (G, n) zero tensor (G = R / k
+    groups), the SUM all-reduce fills every row, and the replica reads back
+    row g. That costs G·n floats instead of n; with one group it is a plain
+    all-reduce of n floats.
+
+    Args:
+        context: a replica context (`tf.distribute.ReplicaContext` or a
+            stand-in with the same three members).
+        group_size: replicas per group, `None` for all replicas.
+
+    Raises:
+        ValueError: if `group_size` does not divide the replica count.
+    """
+
+    # Up to this many replicas, one all-reduce of every replica's packed
+    # (count, mean, m2) row, R·(2C + 1) floats, replaces the two all-reduces
+    # of 3C + 1 floats: it saves one collective's latency while its payload
+    # stays within 4C + 4 floats (the two-pass bound with room to spare);
+    # from R = 3 on it would exceed that and grow with R.
+    PACKED_MAX_REPLICAS = 2
+
+    def __init__(self, context, group_size=None):
+        self.context = context
+        self.num_replicas = context.num_replicas_in_sync
+        self.group_size = self.num_replicas if group_size is None else group_size
+        if self.num_replicas % self.group_size:
+            raise ValueError(
+                f"sync_group_size={self.group_size} must divide the number of "
+                f"replicas in sync, {self.num_replicas}. "
+                f"Received: sync_group_size={self.group_size}"
+            )
+        self.num_groups = self.num_replicas // self.group_size
+
+    def sum(self, tensors):
+        """Sums each tensor over the group's replicas, in one all-reduce.
+
+        Args:
+            tensors: a list of tensors of one float dtype, any shapes.
+
+        Returns:
+            The list of group sums, shaped as the inputs.
+        """
+        flat = ops.concatenate([ops.reshape(t, (-1,)) for t in tensors], axis=0)
+        if self.num_groups == 1:
+            total = self._all_reduce(flat)
+        else:
+            slot = self._one_hot(
+                ops.floor_divide(self._replica_id(), self.group_size),
+                self.num_groups,
+                flat.dtype,
+            )
+            rows = self._all_reduce(slot[:, None] * flat[None, :])
+            total = ops.sum(slot[:, None] * rows, axis=0)
+        out, start = [], 0
+        for tensor in tensors:
+            size = _size(tensor)
+            out.append(ops.reshape(total[start : start + size], ops.shape(tensor)))
+            start += size
+        return out
+
+    def moments(self, count, mean, m2):
+        """Merges every group member's `(count, mean, m2)` into the group's.
+
+        Replicas with no values have count 0 and drop out. Shapes are static
+        (R and G are Python ints), so the merge compiles under XLA.
+
+        Args:
+            count: scalar, the local count.
+            mean: local means, any shape (the feature axes).
+            m2: local sums of squared deviations, shaped like `mean`.
+
+        Returns:
+            The group's `(count, mean, m2)`, shaped as the inputs.
+        """
+        if self.num_groups == 1 and self.num_replicas <= self.PACKED_MAX_REPLICAS:
+            return self._packed_moments(count, mean, m2)
+        # Pass 1: the count-weighted mean, n = Σ n_r, μ̃ = Σ n_r μ_r / n.
+        total, weighted = self.sum([count, count * mean])
+        approx_mean = ops.divide_no_nan(weighted, total)
+        shift = mean - approx_mean
+        if self.num_groups > 1:
+            # Pass 2: M2 = Σ (m2_r + n_r (μ_r − μ̃)²), exact for μ̃ = μ. In a
+            # group slot only the k members' rows are non-zero, so μ̃ carries
+            # the rounding of k additions, which is negligible for pod group
+            # sizes (2–16).
+            (group_m2,) = self.sum([m2 + count * ops.square(shift)])
+            return total, approx_mean, group_m2
+        # Pass 2 over all replicas also corrects the mean: μ̃'s float sum over
+        # R replicas can be off by R roundings of n·|μ|, so with
+        # s = Σ n_r (μ_r − μ̃) = n (μ − μ̃) (a sum of small terms):
+        #   μ = μ̃ + s / n,   M2 = Σ (m2_r + n_r (μ_r − μ̃)²) − s² / n.
+        residual, shifted_m2 = self.sum([count * shift, m2 + count * ops.square(shift)])
+        correction = ops.divide_no_nan(residual, total)
+        global_m2 = ops.maximum(shifted_m2 - residual * correction, 0.0)
+        return total, approx_mean + correction, global_m2
+
+    def _packed_moments(self, count, mean, m2):
+        # Every replica's [count, mean, m2] row in its own slot of an
+        # (R, 2C + 1) tensor; one all-reduce gathers all rows, then the
+        # parallel merge n = Σ n_r, μ = Σ n_r μ_r / n,
+        # M2 = Σ M2_r + Σ n_r (μ_r − μ)².
+        shape = ops.shape(mean)
+        mean_flat = ops.reshape(mean, (-1,))
+        channels = mean_flat.shape[0]
+        row = ops.concatenate(
+            [ops.reshape(count, (1,)), mean_flat, ops.reshape(m2, (-1,))], axis=0
+        )
+        slot = self._one_hot(self._replica_id(), self.num_replicas, row.dtype)
+        rows = self._all_reduce(slot[:, None] * row[None, :])
+        counts = rows[:, :1]
+        means = rows[:, 1 : 1 + channels]
+        m2s = rows[:, 1 + channels :]
+        total = ops.sum(counts)
+        global_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
+        global_m2 = ops.sum(m2s, axis=0) + ops.sum(
+            counts * ops.square(means - global_mean), axis=0
+        )
+        return (
+            total,
+            ops.reshape(global_mean, shape),
+            ops.reshape(global_m2, shape),
+        )
+
+    def _replica_id(self):
+        return self.context.replica_id_in_sync_group
+
+    @staticmethod
+    def _one_hot(index, depth, dtype):
+        return ops.cast(ops.equal(ops.arange(depth), index), dtype)
+
+    def _all_reduce(self, value):
+        try:
+            return self.context.all_reduce("SUM", value)
+        except RuntimeError as error:
+            if "merge_call" not in str(error):
+                raise
+            raise RuntimeError(
+                "keras_bn.BatchNormalization(synchronized=True) cannot "
+                "all-reduce its moments here because it is called inside a "
+                "tf.function (for example one with jit_compile=True) nested "
+                "in strategy.run, where tf.distribute cannot run a "
+                "collective: compile the whole strategy.run step instead, or "
+                "use synchronized=False."
+            ) from error
+
+
+def _size(tensor):
+    size = 1
+    for dim in tensor.shape:
+        size *= dim
+    return size

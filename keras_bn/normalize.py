@@ -8,8 +8,9 @@ through μ and σ² collapses to
     ∂ℓ/∂x = γ r (g − (Σ g + x̂ Σ g x̂) / m),  ∂ℓ/∂γ = Σ g x̂,  ∂ℓ/∂β = Σ g.
 With a 0/1 mask w the statistics are weighted and the correction term is
 multiplied by w. Under synchronisation the sums Σ g and Σ g x̂ in ∂ℓ/∂x are
-over the global batch (one packed all-reduce), while ∂ℓ/∂γ and ∂ℓ/∂β stay
-local: the strategy sums them across replicas like every other gradient.
+over the replica group's batch (one packed all-reduce of 2C floats, G·2C with
+G groups), while ∂ℓ/∂γ and ∂ℓ/∂β stay local: the strategy sums them across
+replicas like every other gradient.
 """
 
 from keras import ops
@@ -18,7 +19,7 @@ from keras_bn import moments
 
 
 def normalize_with_batch_statistics(
-    x, gamma, beta, *, axes, epsilon, weights=None, context=None
+    x, gamma, beta, *, axes, epsilon, weights=None, groups=None
 ):
     """Normalises `x` with its batch statistics and returns them.
 
@@ -29,8 +30,8 @@ def normalize_with_batch_statistics(
         axes: tuple of the reduced axes.
         epsilon: float, added to the variance.
         weights: `None` or a float32 0/1 mask broadcastable to `x`.
-        context: `None` for local statistics, else the replica context whose
-            global batch supplies the statistics.
+        groups: `None` for local statistics, else the `moments.ReplicaGroups`
+            whose group batch supplies the statistics.
 
     Returns:
         `(y, mean, variance, count)`: the float32 output, the batch mean and
@@ -41,10 +42,8 @@ def normalize_with_batch_statistics(
     @ops.custom_gradient
     def forward(x, gamma, beta):
         count, mean, m2 = moments.local_moments(x, axes, weights)
-        if context is not None:
-            count, mean, m2 = moments.cross_replica_moments(
-                context, count, mean, m2
-            )
+        if groups is not None:
+            count, mean, m2 = groups.moments(count, mean, m2)
         variance = ops.divide_no_nan(m2, count)
         inv = ops.rsqrt(variance + epsilon)
         scale = gamma * inv
@@ -61,10 +60,8 @@ def normalize_with_batch_statistics(
                 ops.sum(dy * centered, axis=axes, keepdims=True) * inv
             )
             global_dy, global_dy_xhat = sum_dy, sum_dy_xhat
-            if context is not None:
-                global_dy, global_dy_xhat = moments.cross_replica_sum(
-                    context, [sum_dy, sum_dy_xhat]
-                )
+            if groups is not None:
+                global_dy, global_dy_xhat = groups.sum([sum_dy, sum_dy_xhat])
             coef_const = ops.divide_no_nan(scale * global_dy, count)
             coef_centered = ops.divide_no_nan(
                 scale * inv * global_dy_xhat, count

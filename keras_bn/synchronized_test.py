@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_bn import batch_normalization  # noqa: E402
+from keras_bn import moments  # noqa: E402
 from keras_bn import normalize  # noqa: E402
 
 BatchNormalization = batch_normalization.BatchNormalization
@@ -132,6 +133,57 @@ class MirroredTest(parameterized.TestCase):
                     np.testing.assert_array_equal(copy, copies[0])
                 np.testing.assert_allclose(copies[0], ref.numpy(), rtol=1e-5, atol=1e-6)
 
+    @parameterized.named_parameters(
+        ("groups_of_1", 1, [4, 4, 4, 4]),
+        ("groups_of_2", 2, [4, 4, 4, 4]),
+        ("groups_of_4", 4, [4, 4, 4, 4]),
+        ("groups_of_2_unequal_and_empty", 2, [3, 0, 5, 2]),
+        ("groups_of_2_empty_group_member_last", 2, [2, 6, 4, 0]),
+    )
+    def test_groups_match_single_device_on_each_group_batch(self, group_size, sizes):
+        x, w = _data((sum(sizes), 5), 20 + group_size, loc=3.0)
+        kwargs = dict(momentum=0.6, unbiased_variance=True)
+        _, layer, actual = _mirrored(4, sizes, {}, x, w, steps=2, sync_group_size=group_size, **kwargs)
+        bounds = np.cumsum([0] + sizes)
+        expected = [[], [], 0.0, 0.0]
+        means, variances = [], []
+        for g in range(4 // group_size):
+            lo, hi = bounds[g * group_size], bounds[(g + 1) * group_size]
+            reference, (y, dx, dgamma, dbeta) = _single_device({}, x[lo:hi], w[lo:hi], steps=2, **kwargs)
+            expected[0].append(y)
+            expected[1].append(dx)
+            expected[2] = expected[2] + dgamma
+            expected[3] = expected[3] + dbeta
+            means += [reference.moving_mean.numpy()] * group_size
+            variances += [reference.moving_variance.numpy()] * group_size
+        expected[0], expected[1] = np.concatenate(expected[0]), np.concatenate(expected[1])
+        for name, a, e in zip(("y", "dx", "dgamma", "dbeta"), actual, expected):
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
+        for copies, refs in ((_replica_copies(layer.moving_mean), means), (_replica_copies(layer.moving_variance), variances)):
+            for replica, (copy, ref) in enumerate(zip(copies, refs)):
+                np.testing.assert_allclose(copy, ref, rtol=1e-5, atol=1e-6, err_msg=f"replica {replica}")
+
+    def test_group_size_must_divide_replica_count(self):
+        x, w = _data((8, 3), 21)
+        with self.assertRaisesRegex(
+            ValueError, r"sync_group_size=3 must divide the number of replicas in sync, 4"
+        ):
+            _mirrored(4, [2, 2, 2, 2], {}, x, w, steps=1, sync_group_size=3)
+
+    def test_collective_that_cannot_run_gets_a_clear_error(self):
+        # MirroredStrategy raises this from merge_call when its collective is
+        # reached inside a tf.function nested in strategy.run (the trainer's
+        # jit_compile=True forward pass over logical CPUs); the layer says
+        # what that means for it.
+        class NestedFunctionContext(testing.CountingReplicaContext):
+            def all_reduce(self, reduce_op, value):
+                raise RuntimeError("`merge_call` called while defining a new graph or a tf.function.")
+
+        layer = BatchNormalization(synchronized=True)
+        with moments.use_replica_context(NestedFunctionContext(2)):
+            with self.assertRaisesRegex(RuntimeError, r"cannot all-reduce its moments here because"):
+                layer(np.ones((4, 3), np.float32), training=True)
+
     def test_masked_and_mixed_precision(self):
         x, w = _data((4, 6, 3), 5)
         mask = np.random.RandomState(6).rand(4, 6) > 0.4
@@ -148,13 +200,23 @@ class MirroredTest(parameterized.TestCase):
         x_low = tf.cast(tf.cast(x, tf.bfloat16), tf.float32).numpy().astype(np.float64)
         np.testing.assert_allclose(_replica_copies(layer.moving_mean)[1], x_low.mean((0, 1)), rtol=1e-5, atol=1e-6)
 
-    def test_large_mean_variance_is_precise(self):
+    @parameterized.named_parameters(
+        ("packed_two", 2, [40, 24], None),
+        ("two_pass_four", 4, [20, 12, 0, 32], None),
+        ("groups_of_two", 4, [20, 12, 0, 32], 2),
+    )
+    def test_large_mean_variance_is_precise_at_first_step(self, num_replicas, sizes, group_size):
         rng = np.random.RandomState(7)
         x = (1e4 + rng.randn(64, 8)).astype(np.float32)
         w = np.zeros_like(x)
-        _, layer, _ = _mirrored(2, [40, 24], {}, x, w, steps=1, momentum=0.0)
-        expected = x.astype(np.float64).var(0)
-        np.testing.assert_allclose(_replica_copies(layer.moving_variance)[0], expected, rtol=1e-3)
+        _, layer, _ = _mirrored(num_replicas, sizes, {}, x, w, steps=1, momentum=0.0, sync_group_size=group_size)
+        copies = _replica_copies(layer.moving_variance)
+        bounds = np.cumsum([0] + sizes)
+        k = group_size or num_replicas
+        for replica, copy in enumerate(copies):
+            g = replica // k
+            expected = x[bounds[g * k] : bounds[(g + 1) * k]].astype(np.float64).var(0)
+            np.testing.assert_allclose(copy, expected, rtol=1e-3, err_msg=f"replica {replica}")
 
     def test_checkpoint_restores_moving_statistics(self):
         x, w = _data((8, 4), 8)
@@ -206,30 +268,66 @@ class MirroredTest(parameterized.TestCase):
 class XlaTest(parameterized.TestCase):
     """The synchronised path compiled with XLA (static shapes, as on TPUs)."""
 
-    @parameterized.named_parameters(("dense", (16, 5), (0,)), ("conv", (4, 5, 5, 3), (0, 1, 2)))
-    def test_sync_path_compiles_and_matches_local(self, shape, axes):
+    @parameterized.named_parameters(
+        ("dense_packed", (16, 5), (0,), 2, None, 2),
+        ("conv_two_pass", (4, 5, 5, 3), (0, 1, 2), 8, None, 3),
+        ("conv_groups", (4, 5, 5, 3), (0, 1, 2), 8, 4, 3),
+    )
+    def test_sync_path_compiles_and_matches_local(self, shape, axes, replicas, group_size, collectives):
         x, w = _data(shape, 12)
         gamma = tf.constant(np.random.RandomState(13).rand(*([1] * (len(shape) - 1) + [shape[-1]])) + 0.5, tf.float32)
         beta = tf.zeros_like(gamma)
 
-        def run(context):
+        def run(groups):
             @tf.function(jit_compile=True)
             def step(x):
                 with tf.GradientTape() as tape:
                     tape.watch([x, gamma, beta])
                     y, mean, variance, count = normalize.normalize_with_batch_statistics(
-                        x, gamma, beta, axes=axes, epsilon=1e-3, context=context
+                        x, gamma, beta, axes=axes, epsilon=1e-3, groups=groups
                     )
                     loss = tf.reduce_sum(y * w)
                 return [y, mean, variance, count] + tape.gradient(loss, [x, gamma, beta])
 
             return [t.numpy() for t in step(tf.constant(x))]
 
-        context = testing.LoneReplicaContext(num_replicas=4)
-        synced = run(context)
-        self.assertEqual(context.all_reduce_calls, 2)  # One forward, one backward.
+        context = testing.CountingReplicaContext(replicas, replica_id=replicas - 1)
+        synced = run(moments.ReplicaGroups(context, group_size))
+        # Forward one collective (packed, R = 2) or two, backward one.
+        self.assertLen(context.floats, collectives)
         for a, b in zip(synced, run(None)):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+class PayloadTest(parameterized.TestCase):
+    """All-reduce traffic of one layer's training step, counted from its code path."""
+
+    @parameterized.named_parameters(
+        # (replicas, group size, forward floats, backward floats) for C channels.
+        ("all_two", 2, None, lambda c: [2 * (2 * c + 1)], lambda c: [2 * c]),
+        ("all_eight", 8, None, lambda c: [c + 1, 2 * c], lambda c: [2 * c]),
+        ("all_1024", 1024, None, lambda c: [c + 1, 2 * c], lambda c: [2 * c]),
+        ("groups_of_two", 8, 2, lambda c: [4 * (c + 1), 4 * c], lambda c: [4 * 2 * c]),
+        ("groups_of_eight", 64, 8, lambda c: [8 * (c + 1), 8 * c], lambda c: [8 * 2 * c]),
+        ("groups_of_one", 8, 1, lambda c: [], lambda c: []),
+    )
+    def test_counts(self, replicas, group_size, forward, backward):
+        channels = 6
+        layer = BatchNormalization(synchronized=True, sync_group_size=group_size)
+        x = tf.constant(_data((4, 3, 3, channels), 14)[0])
+        context = testing.CountingReplicaContext(replicas)
+        with moments.use_replica_context(context):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+            forward_floats = list(context.floats)
+            tape.gradient(y, x)
+        self.assertEqual(forward_floats, forward(channels))
+        self.assertEqual(context.floats[len(forward_floats):], backward(channels))
+        if group_size is None:
+            self.assertLessEqual(sum(forward_floats), 4 * channels + 4)
+        else:
+            self.assertLessEqual(sum(forward_floats), replicas // group_size * (2 * channels + 2))
 
 
 if __name__ == "__main__":

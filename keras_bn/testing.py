@@ -55,23 +55,32 @@ def split_cpu(num_devices):
             ) from None
 
 
-class LoneReplicaContext:
-    """A stand-in replica context: replica 0 of R whose peers hold no data.
+class CountingReplicaContext:
+    """A stand-in replica context that counts its all-reduces and their floats.
 
-    TensorFlow cannot XLA-compile MirroredStrategy collectives on logical CPU
-    devices ("Trying to access resource ... located in device CPU:1 from
-    device CPU:0", an XLA known issue), so the XLA test of the synchronised
-    path runs with this context: its all-reduce is the identity, which is
-    exactly the SUM all-reduce when every other replica contributes zeros,
-    i.e. holds an empty batch. Results must then equal local statistics.
+    It plays replica `replica_id` of `num_replicas` whose peers hold no data:
+    its all-reduce returns its input, which is exactly the SUM all-reduce when
+    every other replica contributes zeros (an empty batch). Results must then
+    equal local statistics. TensorFlow cannot XLA-compile MirroredStrategy
+    collectives on logical CPU devices ("Trying to access resource ... located
+    in device CPU:1 from device CPU:0"), so the XLA tests of the synchronised
+    path run with this context, and `benchmarks.sync_speed --payload` counts
+    the layer's traffic with it at replica counts no machine here has.
+
+    Attributes:
+        floats: the element count of each all-reduce, in call order.
     """
 
-    def __init__(self, num_replicas):
+    def __init__(self, num_replicas, replica_id=0):
         self.num_replicas_in_sync = num_replicas
-        self.replica_id_in_sync_group = 0
-        self.all_reduce_calls = 0
+        self.replica_id_in_sync_group = replica_id
+        self.floats = []
 
     def all_reduce(self, reduce_op, value):
-        del reduce_op  # SUM: the peers add zeros.
-        self.all_reduce_calls += 1
+        if str(reduce_op).upper() not in ("SUM", "REDUCEOP.SUM"):
+            raise ValueError(f"Only SUM is counted. Received: reduce_op={reduce_op}")
+        size = 1
+        for dim in value.shape:
+            size *= int(dim)
+        self.floats.append(size)
         return value
