@@ -8,6 +8,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from keras_bn import testing  # noqa: E402
+from keras_bn import devices  # noqa: E402
 
-testing.split_cpu(4)
+devices.split_device("CPU", 4)

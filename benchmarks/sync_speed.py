@@ -6,8 +6,15 @@ devices, once with `keras_bn.BatchNormalization(synchronized=True)` and once
 with `keras.layers.BatchNormalization(synchronized=True)`, in one process,
 measured round-robin. Ratio = ours / Keras (below 1.0 means ours is faster).
 
+With `--payload` it instead counts the all-reduce traffic of one layer's
+training step (forward and input gradient) for R in {2, 8, 64, 1024} replicas
+and groups K in {R, 8, 2} (K <= R), C = 256 channels, by running the layer's
+training call under a counting stand-in replica context (replica 0 of R), and
+prints one line per case.
+
 Run:
     python -m benchmarks.sync_speed
+    python -m benchmarks.sync_speed --payload
 """
 
 import os
@@ -17,13 +24,56 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app
 from absl import flags
 
+from keras_bn import devices
 from keras_bn import testing
 
-_REPLICAS = flags.DEFINE_integer("replicas", 2, "Logical CPU devices.", lower_bound=2)
+_REPLICAS = flags.DEFINE_integer("replicas", 2, "Logical devices (replicas).", lower_bound=2)
+_DEVICE = flags.DEFINE_enum(
+    "device", "CPU", ["CPU", "GPU"],
+    "Device type the replicas run on: the first one is split into --replicas logical devices "
+    "unless that many physical devices exist.",
+)
 _BATCH = flags.DEFINE_integer("global_batch", 64, "Global batch size.", lower_bound=2)
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed samples per model.", lower_bound=1)
 _SYNC = flags.DEFINE_bool("synchronized", True, "Synchronise the moments (False: local-moment baseline).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Steps per sample.", lower_bound=1)
+_PAYLOAD = flags.DEFINE_bool("payload", False, "Print the counted all-reduce payloads instead of timing.")
+
+PAYLOAD_REPLICAS = (2, 8, 64, 1024)
+PAYLOAD_CHANNELS = 256
+
+
+def payload_lines(replica_counts=PAYLOAD_REPLICAS, channels=PAYLOAD_CHANNELS):
+    """One line per (R, K) case with the counted collectives and floats."""
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_bn
+    from keras_bn import moments
+
+    x = tf.constant(np.random.RandomState(0).randn(8, 4, 4, channels).astype(np.float32))
+    lines = []
+    for replicas in replica_counts:
+        for group in sorted({replicas, 8, 2}, reverse=True):
+            if group > replicas:
+                continue
+            layer = keras_bn.BatchNormalization(
+                synchronized=True, sync_group_size=None if group == replicas else group
+            )
+            context = testing.CountingReplicaContext(replicas)
+            with moments.use_replica_context(context):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = layer(x, training=True)
+                forward = list(context.floats)
+                tape.gradient(y, x)
+            backward = context.floats[len(forward):]
+            lines.append(
+                f"payload replicas={replicas} group={group} channels={channels} "
+                f"forward_collectives={len(forward)} forward_floats={sum(forward)} "
+                f"backward_collectives={len(backward)} backward_floats={sum(backward)}"
+            )
+    return lines
 
 
 def build_model(bn_factory):
@@ -78,23 +128,28 @@ def make_step(strategy, bn_factory, global_batch):
 
 def main(argv):
     del argv
-    testing.split_cpu(_REPLICAS.value)
+    if _PAYLOAD.value:
+        print("\n".join(payload_lines()))
+        return
     import keras
     import tensorflow as tf
+
+    if len(tf.config.list_physical_devices(_DEVICE.value)) >= _REPLICAS.value:
+        names = [d.name for d in tf.config.list_logical_devices(_DEVICE.value)]
+    else:
+        names = devices.split_device(_DEVICE.value, _REPLICAS.value)
 
     import keras_bn
     from benchmarks import timing
 
-    strategy = tf.distribute.MirroredStrategy(
-        [f"/cpu:{i}" for i in range(_REPLICAS.value)]
-    )
+    strategy = tf.distribute.MirroredStrategy(names[: _REPLICAS.value])
     steps = {
         "ours": make_step(strategy, lambda: keras_bn.BatchNormalization(synchronized=_SYNC.value), _BATCH.value),
         "keras": make_step(strategy, lambda: keras.layers.BatchNormalization(synchronized=_SYNC.value), _BATCH.value),
     }
     times = timing.time_interleaved(steps, warmup=3, repeats=_REPEATS.value, rounds=_ROUNDS.value)
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-          f"{_REPLICAS.value} logical CPU replicas, global batch {_BATCH.value}")
+          f"{_REPLICAS.value} {_DEVICE.value} replicas, global batch {_BATCH.value}")
     print(f"ours {times['ours'] * 1e3:.2f} ms/step, keras {times['keras'] * 1e3:.2f} ms/step, "
           f"ratio {times['ours'] / times['keras']:.2f}")
 

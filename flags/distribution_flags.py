@@ -39,3 +39,31 @@ NUM_CPU_DEVICES = flags.DEFINE_integer(
     "strategy, to run multi-replica code on a machine without accelerators.",
     lower_bound=1,
 )
+NUM_GPU_DEVICES = flags.DEFINE_integer(
+    "num_gpu_devices", None,
+    "Split GPU 0 into this many logical GPUs (16 GiB each) before creating "
+    "the strategy, to run multi-replica code on a one-GPU machine.",
+    lower_bound=1,
+)
+SYNC_GROUP_SIZE = flags.DEFINE_integer(
+    "sync_group_size", None,
+    "With --sync_batch_norm: normalise over consecutive groups of this many "
+    "replicas instead of all (keras_bn.BatchNormalization(sync_group_size=k)); "
+    "must divide the replica count. Default: all replicas.",
+    lower_bound=1,
+)
+
+flags.register_multi_flags_validator(
+    ["sync_batch_norm", "sync_group_size"],
+    lambda values: values["sync_group_size"] is None or values["sync_batch_norm"],
+    message="--sync_group_size groups the replicas of synchronised BN and needs --sync_batch_norm.",
+)
+
+
+def check_sync_group_size(sync_group_size, num_replicas):
+    """Raises a ValueError naming both numbers if the group size cannot split the replicas."""
+    if sync_group_size is not None and num_replicas % sync_group_size:
+        raise ValueError(
+            f"--sync_group_size={sync_group_size} must divide the number of replicas, "
+            f"{num_replicas}, of --distribution_strategy."
+        )

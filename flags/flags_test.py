@@ -42,6 +42,8 @@ class FlagsTest(parameterized.TestCase):
         ("empty_model_dir", "--model_dir= ", r"model_dir must not be empty"),
         ("tpu_without_address", "--distribution_strategy=tpu", r"needs --tpu"),
         ("address_without_tpu", "--tpu=grpc://1.2.3.4:8470", r"only used with --distribution_strategy=tpu"),
+        ("zero_group_size", "--sync_group_size=0", r"--sync_group_size=0: 0 is not a positive integer"),
+        ("group_size_without_sync", "--sync_group_size=2", r"--sync_group_size groups.*needs --sync_batch_norm"),
     )
     def test_rejects(self, argument, pattern):
         with flagsaver.flagsaver():

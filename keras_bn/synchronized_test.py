@@ -7,9 +7,9 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from keras_bn import testing
+from keras_bn import devices
 
-testing.split_cpu(4)
+devices.split_device("CPU", 4)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -18,6 +18,7 @@ import tensorflow as tf  # noqa: E402
 from keras_bn import batch_normalization  # noqa: E402
 from keras_bn import moments  # noqa: E402
 from keras_bn import normalize  # noqa: E402
+from keras_bn import testing  # noqa: E402
 
 BatchNormalization = batch_normalization.BatchNormalization
 

@@ -33,28 +33,6 @@ def broadcast_param(param, rank, feature_axes):
     return np.reshape(param, shape)
 
 
-def split_cpu(num_devices):
-    """Splits the first CPU into `num_devices` logical devices, once.
-
-    Must run before TensorFlow initialises its devices; if that already
-    happened with enough logical CPUs it is a no-op, else it raises.
-    """
-    import tensorflow as tf  # Imported late: only multi-replica tests need it.
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices
-        )
-    except RuntimeError:
-        available = len(tf.config.list_logical_devices("CPU"))
-        if available < num_devices:
-            raise RuntimeError(
-                f"{num_devices} logical CPUs are needed but TensorFlow was "
-                f"initialised with {available}; call split_cpu() first."
-            ) from None
-
-
 class CountingReplicaContext:
     """A stand-in replica context that counts its all-reduces and their floats.
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 
+from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
 from absl.testing import parameterized
@@ -132,8 +133,26 @@ class TrainerTest(parameterized.TestCase):
                     recipe=inception_recipes.RECIPES["bn_x5"], model_dir=tempfile.mkdtemp(), data_dir=None,
                     use_fake_data=True, image_size=32, train_steps=1, batch_size=5, eval_every=1,
                     eval_steps=1, steps_per_execution=1, jit_compile=False, target_accuracy=0.7, seed=0,
-                    strategy=_TwoReplicaStub(), sync_batch_norm=False, flag_values={},
+                    strategy=_TwoReplicaStub(), sync_batch_norm=False, sync_group_size=None, flag_values={},
                 )
+
+    def test_group_size_not_dividing_the_replicas_is_rejected(self):
+        with self.assertRaisesRegex(ValueError, r"--sync_group_size=3 must divide the number of replicas, 2,"):
+            inception_bn.train_and_evaluate(
+                recipe=inception_recipes.RECIPES["bn_x5"], model_dir=tempfile.mkdtemp(), data_dir=None,
+                use_fake_data=True, image_size=32, train_steps=1, batch_size=4, eval_every=1,
+                eval_steps=1, steps_per_execution=1, jit_compile=False, target_accuracy=0.7, seed=0,
+                strategy=_TwoReplicaStub(), sync_batch_norm=True, sync_group_size=3, flag_values={},
+            )
+
+    @parameterized.parameters("mirrored", "multi_worker_mirrored")
+    def test_jit_compile_with_sync_batch_norm_is_refused_before_building(self, strategy):
+        with flagsaver.flagsaver():
+            with self.assertRaisesRegex(
+                flags.IllegalFlagValueError,
+                r"--jit_compile cannot be combined with --sync_batch_norm.*tf.distribute cannot run",
+            ):
+                flags.FLAGS(["prog", "--jit_compile", "--sync_batch_norm", f"--distribution_strategy={strategy}"])
 
     def test_missing_imagenet_names_the_flags(self):
         with self.assertRaisesRegex(FileNotFoundError, r"--data_dir='.*'.*--use_fake_data"):

@@ -71,11 +71,31 @@ TARGET_ACCURACY = flags.DEFINE_float(
 DEFAULTS = {"train_steps": 3_000_000, "batch_size": 32, "eval_every": 10_000}
 
 
-def build_model(recipe, *, image_size, sync_batch_norm):
+@flags.multi_flags_validator(
+    ["jit_compile", "sync_batch_norm", "distribution_strategy"],
+    message=(
+        "--jit_compile cannot be combined with --sync_batch_norm under "
+        "--distribution_strategy=mirrored or multi_worker_mirrored: --jit_compile "
+        "compiles each replica's forward/backward as a function nested in "
+        "strategy.run, and tf.distribute cannot run the synchronised BN "
+        "collectives inside it. Drop one of the two flags, or use "
+        "--distribution_strategy=tpu, where XLA compiles the whole step, "
+        "collectives included."
+    ),
+)
+def _jit_compile_with_sync(values):
+    return not (
+        values["jit_compile"] and values["sync_batch_norm"]
+        and values["distribution_strategy"] in ("mirrored", "multi_worker_mirrored")
+    )
+
+
+def build_model(recipe, *, image_size, sync_batch_norm, sync_group_size=None):
     return inception_model.build_inception(
         image_size=image_size, num_classes=imagenet_data.NUM_CLASSES,
         batch_norm=recipe.batch_norm, activation=recipe.activation, lrn=recipe.lrn,
         dropout=recipe.dropout, weight_decay=recipe.weight_decay, sync_batch_norm=sync_batch_norm,
+        sync_group_size=sync_group_size,
     )
 
 
@@ -113,7 +133,7 @@ def steps_to_target(evals, target_accuracy):
 def train_and_evaluate(
     *, recipe, model_dir, data_dir, use_fake_data, image_size, train_steps, batch_size,
     eval_every, eval_steps, steps_per_execution, jit_compile, target_accuracy, seed,
-    strategy, sync_batch_norm, flag_values,
+    strategy, sync_batch_norm, sync_group_size, flag_values,
 ):
     """Trains and evaluates one variant; returns its history dict.
 
@@ -126,66 +146,73 @@ def train_and_evaluate(
         raise ValueError(
             f"The global batch must split evenly over {replicas} replicas. Received: batch_size={batch_size}"
         )
+    distribution_flags.check_sync_group_size(sync_group_size, replicas)
     logging.info("Global batch %d = %d replicas × %d per replica", batch_size, replicas, batch_size // replicas)
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = build_model(recipe, image_size=image_size, sync_batch_norm=sync_batch_norm)
+        model = build_model(
+            recipe, image_size=image_size, sync_batch_norm=sync_batch_norm, sync_group_size=sync_group_size
+        )
         schedule = keras.optimizers.schedules.ExponentialDecay(
             recipe.learning_rate, recipe.decay_steps, inception_recipes.DECAY_RATE, staircase=True
         )
         optimizer = keras.optimizers.SGD(schedule, momentum=inception_recipes.MOMENTUM)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    run = loops.RunState(model_dir, step, flag_values, max_to_keep=3, model=model, optimizer=optimizer)
-    history, start = run.history, run.start
-
-    data_kwargs = dict(
-        data_dir=data_dir, image_size=image_size, distortion=recipe.distortion,
-        thorough_shuffle=recipe.thorough_shuffle, use_fake_data=use_fake_data,
+    run = loops.RunState(
+        model_dir, step, flag_values, max_to_keep=3, is_chief=strategy_lib.is_chief(strategy),
+        model=model, optimizer=optimizer,
     )
-    # A resumed run reseeds its shuffle with the step, so it does not replay
-    # the examples the interrupted run already saw in the same order.
-    train_data = imagenet_data.make_dataset(split="train", batch_size=batch_size, seed=seed + start, **data_kwargs)
-    eval_data = imagenet_data.make_dataset(split="validation", batch_size=batch_size, seed=seed, **data_kwargs)
-    iterator = iter(strategy.experimental_distribute_dataset(train_data))
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-    run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size, jit_compile)
-    evaluate = make_evaluator(strategy, model)
+    with run:
+        history, start = run.history, run.start
 
-    began = time.time() - history["wall_time_s"]
-    while start < train_steps:
-        target = min(start + eval_every - start % eval_every, train_steps)
-        interval_start, loss_sum, tick = start, 0.0, time.time()
-        while start < target:
-            n = min(steps_per_execution, target - start)
-            loss_sum += float(run_steps(iterator, tf.constant(n))) * n
-            start += n
-        steps_run = start - interval_start
-        images_per_sec = batch_size * steps_run / (time.time() - tick)
-        top1, top5 = evaluate(eval_data, eval_steps)
-        record = {
-            "step": start,
-            "loss": loss_sum / steps_run,
-            "top1": float(top1),
-            "top5": float(top5),
-            "learning_rate": float(schedule(start - 1)),
-            "images_per_sec": images_per_sec,
-        }
-        history["evals"].append(record)
-        reached = steps_to_target(history["evals"], target_accuracy)
-        with run.writer.as_default(step=start):
-            tf.summary.scalar("train/loss", record["loss"])
-            tf.summary.scalar("train/learning_rate", record["learning_rate"])
-            tf.summary.scalar("eval/top1", top1)
-            tf.summary.scalar("eval/top5", top5)
-            tf.summary.scalar("train/images_per_sec", images_per_sec)
-            if reached is not None:
-                tf.summary.scalar("eval/steps_to_target", reached)
-        run.writer.flush()
-        run.save(start, time.time() - began)
-        logging.info("step %d/%d: loss %.4f, top-1 %.4f, top-5 %.4f, lr %.5f, %.1f images/s",
-                     start, train_steps, record["loss"], top1, top5, record["learning_rate"], images_per_sec)
-    return history
+        data_kwargs = dict(
+            data_dir=data_dir, image_size=image_size, distortion=recipe.distortion,
+            thorough_shuffle=recipe.thorough_shuffle, use_fake_data=use_fake_data,
+        )
+        # A resumed run reseeds its shuffle with the step, so it does not replay
+        # the examples the interrupted run already saw in the same order.
+        train_data = imagenet_data.make_dataset(split="train", batch_size=batch_size, seed=seed + start, **data_kwargs)
+        eval_data = imagenet_data.make_dataset(split="validation", batch_size=batch_size, seed=seed, **data_kwargs)
+        iterator = iter(strategy.experimental_distribute_dataset(train_data))
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+        run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size, jit_compile)
+        evaluate = make_evaluator(strategy, model)
+
+        began = time.time() - history["wall_time_s"]
+        while start < train_steps:
+            target = min(start + eval_every - start % eval_every, train_steps)
+            interval_start, loss_sum, tick = start, 0.0, time.time()
+            while start < target:
+                n = min(steps_per_execution, target - start)
+                loss_sum += float(run_steps(iterator, tf.constant(n))) * n
+                start += n
+            steps_run = start - interval_start
+            images_per_sec = batch_size * steps_run / (time.time() - tick)
+            top1, top5 = evaluate(eval_data, eval_steps)
+            record = {
+                "step": start,
+                "loss": loss_sum / steps_run,
+                "top1": float(top1),
+                "top5": float(top5),
+                "learning_rate": float(schedule(start - 1)),
+                "images_per_sec": images_per_sec,
+            }
+            history["evals"].append(record)
+            reached = steps_to_target(history["evals"], target_accuracy)
+            with run.writer.as_default(step=start):
+                tf.summary.scalar("train/loss", record["loss"])
+                tf.summary.scalar("train/learning_rate", record["learning_rate"])
+                tf.summary.scalar("eval/top1", top1)
+                tf.summary.scalar("eval/top5", top5)
+                tf.summary.scalar("train/images_per_sec", images_per_sec)
+                if reached is not None:
+                    tf.summary.scalar("eval/steps_to_target", reached)
+            run.writer.flush()
+            run.save(start, time.time() - began)
+            logging.info("step %d/%d: loss %.4f, top-1 %.4f, top-5 %.4f, lr %.5f, %.1f images/s",
+                         start, train_steps, record["loss"], top1, top5, record["learning_rate"], images_per_sec)
+        return history
 
 
 def main(argv):
@@ -195,7 +222,8 @@ def main(argv):
         run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED, training_flags.TRAIN_STEPS,
         training_flags.BATCH_SIZE, training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
         distribution_flags.DISTRIBUTION_STRATEGY, distribution_flags.TPU,
-        distribution_flags.SYNC_BATCH_NORM, distribution_flags.NUM_CPU_DEVICES, VARIANT,
+        distribution_flags.SYNC_BATCH_NORM, distribution_flags.SYNC_GROUP_SIZE,
+        distribution_flags.NUM_CPU_DEVICES, distribution_flags.NUM_GPU_DEVICES, VARIANT,
         IMAGE_SIZE, USE_FAKE_DATA, DROPOUT, WEIGHT_DECAY, DECAY_STEPS, STEPS_PER_EXECUTION,
         MIXED_PRECISION, JIT_COMPILE, EVAL_STEPS, TARGET_ACCURACY,
     ]
@@ -210,7 +238,7 @@ def main(argv):
     # The strategy comes first: datasets and variables are created under it.
     strategy = strategy_lib.create_strategy(
         distribution_flags.DISTRIBUTION_STRATEGY.value, distribution_flags.TPU.value,
-        distribution_flags.NUM_CPU_DEVICES.value,
+        distribution_flags.NUM_CPU_DEVICES.value, distribution_flags.NUM_GPU_DEVICES.value,
     )
     if MIXED_PRECISION.value:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -223,8 +251,11 @@ def main(argv):
         eval_every=settings["eval_every"], eval_steps=EVAL_STEPS.value,
         steps_per_execution=STEPS_PER_EXECUTION.value, jit_compile=JIT_COMPILE.value,
         target_accuracy=TARGET_ACCURACY.value, seed=run_flags.SEED.value, strategy=strategy,
-        sync_batch_norm=distribution_flags.SYNC_BATCH_NORM.value, flag_values=values,
+        sync_batch_norm=distribution_flags.SYNC_BATCH_NORM.value,
+        sync_group_size=distribution_flags.SYNC_GROUP_SIZE.value, flag_values=values,
     )
+    if not strategy_lib.is_chief(strategy):
+        return  # Only the chief writes the run's results.
     summaries.write_json(os.path.join(model_dir, "summary.json"), {
         "variant": VARIANT.value, "steps": history["steps"],
         "final": history["evals"][-1] if history["evals"] else None,

@@ -42,12 +42,14 @@ MODULES = (
 class _Builder:
     """Adds conv → (BN) → nonlinearity units with the variant's choices."""
 
-    def __init__(self, batch_norm, activation, weight_decay, sync_batch_norm, batch_norm_layer):
+    def __init__(self, batch_norm, activation, weight_decay, sync_batch_norm, sync_group_size, batch_norm_layer):
         self.batch_norm = batch_norm
         self.batch_norm_layer = batch_norm_layer or keras_bn.BatchNormalization
         self.activation = activation
         self.regularizer = keras.regularizers.L2(weight_decay) if weight_decay else None
-        self.sync = sync_batch_norm
+        self.batch_norm_options = dict(synchronized=sync_batch_norm, epsilon=1e-3)
+        if sync_group_size is not None:  # keras_bn only; Keras' layer has no groups.
+            self.batch_norm_options["sync_group_size"] = sync_group_size
 
     def conv(self, x, filters, kernel, strides=1, name=None, separable=False):
         common = dict(
@@ -65,9 +67,7 @@ class _Builder:
             )(x)
         if self.batch_norm:
             # BN before the nonlinearity, replacing the conv's bias (paper §3.2).
-            x = self.batch_norm_layer(
-                synchronized=self.sync, epsilon=1e-3, name=f"{name}_bn"
-            )(x)
+            x = self.batch_norm_layer(name=f"{name}_bn", **self.batch_norm_options)(x)
         return keras.layers.Activation(self.activation, name=f"{name}_act")(x)
 
     def module(self, x, spec):
@@ -101,7 +101,7 @@ def _lrn(name):
 def build_inception(
     *, image_size=224, num_classes=1000, batch_norm=True, activation="relu",
     lrn=False, dropout=0.0, weight_decay=0.0, sync_batch_norm=False,
-    batch_norm_layer=None,
+    sync_group_size=None, batch_norm_layer=None,
 ):
     """Returns the BN-Inception (or, with batch_norm=False, Inception) model.
 
@@ -115,6 +115,7 @@ def build_inception(
         dropout: dropout rate before the classifier (0.4 in Inception).
         weight_decay: L2 coefficient on convolution and classifier kernels.
         sync_batch_norm: synchronised BN moments across replicas.
+        sync_group_size: replicas per synchronisation group (`None`: all).
         batch_norm_layer: the BN class (default `keras_bn.BatchNormalization`;
             the benchmark passes `keras.layers.BatchNormalization`).
 
@@ -122,7 +123,7 @@ def build_inception(
         A `keras.Model` from standardised float images `(image_size,
         image_size, 3)` to `num_classes` float32 logits.
     """
-    b = _Builder(batch_norm, activation, weight_decay, sync_batch_norm, batch_norm_layer)
+    b = _Builder(batch_norm, activation, weight_decay, sync_batch_norm, sync_group_size, batch_norm_layer)
     inputs = keras.Input((image_size, image_size, 3), name="image")
     x = b.conv(inputs, 64, 7, strides=2, name="conv1_7x7", separable=True)
     x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)

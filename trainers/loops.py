@@ -1,6 +1,8 @@
 """Training-loop pieces shared by the trainers: multi-step execution, resume."""
 
 import os
+import shutil
+import tempfile
 
 from absl import logging
 import tensorflow as tf
@@ -56,37 +58,66 @@ class RunState:
     for a fresh run. `save` checkpoints and rewrites the history together, so
     the two always agree.
 
+    Only the chief writes (see `strategy.is_chief`). In a multi-worker run
+    every worker must take part in a checkpoint save (the save reads
+    distributed variables collectively), so each non-chief worker saves into
+    its own temporary directory, outside `run_dir`, deleted by `close`
+    (TensorFlow's multi-worker recipe); it writes no events and no history.
+    Every worker restores from the chief's checkpoints in `run_dir`, so a
+    relaunch of all workers resumes at the chief's step.
+
     Attributes:
         history: dict with "evals" (one record per evaluation), "steps" and
             "wall_time_s".
         start: the step the run continues from (0 for a fresh run).
-        writer: the run's `tf.summary` writer.
+        writer: the run's `tf.summary` writer (a no-op writer off the chief).
+        is_chief: whether this process writes.
     """
 
-    def __init__(self, run_dir, step, flag_values, max_to_keep, **trackables):
+    def __init__(self, run_dir, step, flag_values, max_to_keep, is_chief=True, **trackables):
+        self.is_chief = is_chief
         self._step = step
         self._checkpoint = tf.train.Checkpoint(step=step, **trackables)
+        chief_dir = os.path.join(run_dir, "checkpoints")
+        self._scratch = None if is_chief else tempfile.mkdtemp(prefix="keras_bn_worker_")
         self._manager = tf.train.CheckpointManager(
-            self._checkpoint, os.path.join(run_dir, "checkpoints"), max_to_keep=max_to_keep
+            self._checkpoint, chief_dir if is_chief else self._scratch, max_to_keep=max_to_keep
         )
         self._history_path = os.path.join(run_dir, "history.json")
         self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0}
-        if self._manager.latest_checkpoint:
-            self._checkpoint.restore(self._manager.latest_checkpoint).assert_existing_objects_matched()
+        latest = tf.train.latest_checkpoint(chief_dir)
+        if latest:
+            self._checkpoint.restore(latest).assert_existing_objects_matched()
             self.history = summaries.read_json(self._history_path, self.history)
             restored = int(step.numpy())
             self.history["evals"] = [e for e in self.history["evals"] if e["step"] <= restored]
             self.history["steps"] = restored
-            logging.info("Resumed from %s at step %d", self._manager.latest_checkpoint, restored)
+            logging.info("Resumed from %s at step %d", latest, restored)
         self.start = int(step.numpy())
-        self.writer = tf.summary.create_file_writer(run_dir)
-        if self.start == 0:
-            summaries.write_flags(self.writer, flag_values)
+        if is_chief:
+            self.writer = tf.summary.create_file_writer(run_dir)
+            if self.start == 0:
+                summaries.write_flags(self.writer, flag_values)
+        else:
+            self.writer = tf.summary.create_noop_writer()
 
     def save(self, step, wall_time_s):
-        """Checkpoints at `step` and writes the history with it."""
+        """Checkpoints at `step` (every worker) and writes the history (chief)."""
         self._step.assign(step)
         self.history["steps"] = step
         self.history["wall_time_s"] = wall_time_s
         self._manager.save(checkpoint_number=step)
-        summaries.write_json(self._history_path, self.history)
+        if self.is_chief:
+            summaries.write_json(self._history_path, self.history)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *unused_exc_info):
+        self.close()
+
+    def close(self):
+        """Flushes the writer and removes a non-chief worker's scratch checkpoints."""
+        self.writer.flush()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)

@@ -68,11 +68,13 @@ PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, 
 PERCENTILES = (15, 50, 85)
 
 
-def build_model(norm, init_std, seed):
+def build_model(norm, init_std, seed, sync_batch_norm=False, sync_group_size=None):
     """Returns `(model, probe)`: the classifier and its pre-activation outputs.
 
     `model` maps 784 inputs to 10 logits; `probe` maps them to the inputs of
-    the three sigmoid layers (the pre-activations).
+    the three sigmoid layers (the pre-activations). The BN layers synchronise
+    their moments across replicas with `sync_batch_norm`, over groups of
+    `sync_group_size` replicas when that is set.
     """
     initializer = lambda i: keras.initializers.RandomNormal(stddev=init_std, seed=seed + i)
     inputs = keras.Input((784,), name="image")
@@ -83,7 +85,9 @@ def build_model(norm, init_std, seed):
             units, use_bias=norm == "none", kernel_initializer=initializer(i), name=f"dense_{i}"
         )(h)
         if norm == "batch_norm":
-            h = keras_bn.BatchNormalization(name=f"bn_{i}")(h)
+            h = keras_bn.BatchNormalization(
+                synchronized=sync_batch_norm, sync_group_size=sync_group_size, name=f"bn_{i}"
+            )(h)
         pre_activations.append(h)
         h = keras.layers.Activation("sigmoid", name=f"sigmoid_{i}")(h)
     logits = keras.layers.Dense(10, kernel_initializer=initializer(0), name="logits")(h)
@@ -94,59 +98,65 @@ def build_model(norm, init_std, seed):
 def train_and_evaluate(
     *, norm, train, test, run_dir, train_steps, batch_size, learning_rate,
     init_std, seed, eval_every, probe_size, strategy, flag_values,
+    sync_batch_norm=False, sync_group_size=None,
 ):
     """Trains one network, logging and checkpointing every `eval_every` steps.
 
     Resumes from the last checkpoint in `run_dir`. Returns the run's history:
     a dict with "evals" (one record per evaluation), "steps" and "wall_time_s".
     """
+    distribution_flags.check_sync_group_size(sync_group_size, strategy.num_replicas_in_sync)
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model, probe = build_model(norm, init_std, seed)
+        model, probe = build_model(norm, init_std, seed, sync_batch_norm, sync_group_size)
         optimizer = keras.optimizers.SGD(learning_rate)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    run = loops.RunState(run_dir, step, flag_values, max_to_keep=2, model=model, optimizer=optimizer)
-    history, start = run.history, run.start
-    if start >= train_steps:
+    run = loops.RunState(
+        run_dir, step, flag_values, max_to_keep=2, is_chief=strategy_lib.is_chief(strategy),
+        model=model, optimizer=optimizer,
+    )
+    with run:
+        history, start = run.history, run.start
+        if start >= train_steps:
+            return history
+
+        images, labels = train
+        dataset = mnist_data.make_dataset(images, labels, batch_size, seed, start, train_steps)
+        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+        run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size)
+        test_images, test_labels = tf.constant(test[0]), test[1]
+        probe_images = tf.constant(test[0][:probe_size])
+        evaluate = tf.function(lambda x: model(x, training=False))
+        pre_activations = tf.function(lambda x: probe(x, training=False))
+
+        began = time.time() - history["wall_time_s"]
+        while start < train_steps:
+            n = min(eval_every - start % eval_every, train_steps - start)
+            train_loss = float(run_steps(iterator, tf.constant(n)))
+            start += n
+            accuracy = float(np.mean(np.argmax(evaluate(test_images), -1) == test_labels))
+            probes = [p.numpy() for p in pre_activations(probe_images)]
+            quantiles = np.percentile(probes[-1][:, PROBE_UNIT], PERCENTILES)
+            record = {"step": start, "test_accuracy": accuracy, "train_loss": train_loss}
+            record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
+            history["evals"].append(record)
+            with run.writer.as_default(step=start):
+                tf.summary.scalar("train/loss", train_loss)
+                tf.summary.scalar("train/learning_rate", learning_rate)
+                tf.summary.scalar("eval/test_accuracy", accuracy)
+                for q, v in zip(PERCENTILES, quantiles):
+                    tf.summary.scalar(f"sigmoid_input/p{q}", v)
+                for i, values in enumerate(probes, start=1):
+                    tf.summary.histogram(f"pre_activation/layer_{i}", values)
+            run.writer.flush()
+            run.save(start, time.time() - began)
+            logging.info(
+                "%s step %d/%d: loss %.4f, test accuracy %.4f, sigmoid input p15/50/85 %.3f/%.3f/%.3f",
+                RUN_NAMES[norm], start, train_steps, train_loss, accuracy, *quantiles,
+            )
         return history
-
-    images, labels = train
-    dataset = mnist_data.make_dataset(images, labels, batch_size, seed, start, train_steps)
-    iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-    run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size)
-    test_images, test_labels = tf.constant(test[0]), test[1]
-    probe_images = tf.constant(test[0][:probe_size])
-    evaluate = tf.function(lambda x: model(x, training=False))
-    pre_activations = tf.function(lambda x: probe(x, training=False))
-
-    began = time.time() - history["wall_time_s"]
-    while start < train_steps:
-        n = min(eval_every - start % eval_every, train_steps - start)
-        train_loss = float(run_steps(iterator, tf.constant(n)))
-        start += n
-        accuracy = float(np.mean(np.argmax(evaluate(test_images), -1) == test_labels))
-        probes = [p.numpy() for p in pre_activations(probe_images)]
-        quantiles = np.percentile(probes[-1][:, PROBE_UNIT], PERCENTILES)
-        record = {"step": start, "test_accuracy": accuracy, "train_loss": train_loss}
-        record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
-        history["evals"].append(record)
-        with run.writer.as_default(step=start):
-            tf.summary.scalar("train/loss", train_loss)
-            tf.summary.scalar("train/learning_rate", learning_rate)
-            tf.summary.scalar("eval/test_accuracy", accuracy)
-            for q, v in zip(PERCENTILES, quantiles):
-                tf.summary.scalar(f"sigmoid_input/p{q}", v)
-            for i, values in enumerate(probes, start=1):
-                tf.summary.histogram(f"pre_activation/layer_{i}", values)
-        run.writer.flush()
-        run.save(start, time.time() - began)
-        logging.info(
-            "%s step %d/%d: loss %.4f, test accuracy %.4f, sigmoid input p15/50/85 %.3f/%.3f/%.3f",
-            RUN_NAMES[norm], start, train_steps, train_loss, accuracy, *quantiles,
-        )
-    return history
 
 
 def plot_figure(histories, path):
@@ -200,14 +210,16 @@ def main(argv):
         run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED,
         training_flags.TRAIN_STEPS, training_flags.BATCH_SIZE,
         training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
-        distribution_flags.DISTRIBUTION_STRATEGY, NORM, INIT_STD, PROBE_SIZE, TRAIN_SUBSET,
+        distribution_flags.DISTRIBUTION_STRATEGY, distribution_flags.TPU,
+        distribution_flags.NUM_CPU_DEVICES, distribution_flags.NUM_GPU_DEVICES, distribution_flags.SYNC_BATCH_NORM,
+        distribution_flags.SYNC_GROUP_SIZE, NORM, INIT_STD, PROBE_SIZE, TRAIN_SUBSET,
     ])
     settings = summaries.with_defaults(values, DEFAULTS)
     values.update(settings)
     strategy = strategy_lib.create_strategy(
         distribution_flags.DISTRIBUTION_STRATEGY.value,
         distribution_flags.TPU.value,
-        distribution_flags.NUM_CPU_DEVICES.value,
+        distribution_flags.NUM_CPU_DEVICES.value, distribution_flags.NUM_GPU_DEVICES.value,
     )
     train = mnist_data.load_mnist(run_flags.DATA_DIR.value, "train")
     test = mnist_data.load_mnist(run_flags.DATA_DIR.value, "test")
@@ -223,7 +235,11 @@ def main(argv):
             learning_rate=settings["learning_rate"], init_std=INIT_STD.value,
             seed=run_flags.SEED.value, eval_every=settings["eval_every"],
             probe_size=PROBE_SIZE.value, strategy=strategy, flag_values=values,
+            sync_batch_norm=distribution_flags.SYNC_BATCH_NORM.value,
+            sync_group_size=distribution_flags.SYNC_GROUP_SIZE.value,
         )
+    if not strategy_lib.is_chief(strategy):
+        return  # Only the chief writes the run's results.
     plot_figure(histories, os.path.join(model_dir, "figure1.png"))
     summary = {"runs": summarize(histories), "flags": values}
     summaries.write_json(os.path.join(model_dir, "summary.json"), summary)

@@ -2,8 +2,10 @@
 
 import tensorflow as tf
 
+from keras_bn import devices
 
-def create_strategy(name, tpu=None, num_cpu_devices=None):
+
+def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
     """Returns the `tf.distribute.Strategy` called `name`.
 
     Create it before any dataset or model: datasets are then distributed by
@@ -15,15 +17,16 @@ def create_strategy(name, tpu=None, num_cpu_devices=None):
         tpu: the TPU name or address for "tpu" ("local" on a TPU VM).
         num_cpu_devices: if set, first split the CPU into this many logical
             devices; "mirrored" then mirrors over them when there is no GPU.
+        num_gpu_devices: if set, first split GPU 0 into this many logical
+            GPUs (a multi-replica check on a one-GPU machine).
 
     Raises:
         ValueError: for an unknown name or "tpu" without `tpu`.
     """
     if num_cpu_devices:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices
-        )
+        devices.split_device("CPU", num_cpu_devices)
+    if num_gpu_devices:
+        devices.split_device("GPU", num_gpu_devices)
     if name == "off":
         return tf.distribute.get_strategy()
     if name == "one_device":
@@ -50,3 +53,19 @@ def create_strategy(name, tpu=None, num_cpu_devices=None):
         "Unknown distribution strategy. Expected one of off, one_device, "
         f"mirrored, multi_worker_mirrored, tpu. Received: name={name!r}"
     )
+
+
+def is_chief(strategy):
+    """Whether this process writes the run's files (events, results, checkpoints).
+
+    Only multi-worker strategies have more than one process: there the chief
+    is the "chief" task, or worker 0 when the cluster has no chief (TF_CONFIG
+    conventions). Every other strategy runs in one process, which writes.
+    """
+    resolver = strategy.cluster_resolver
+    if resolver is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type in (None, "chief"):
+        return True
+    return task_type == "worker" and task_id == 0 and "chief" not in resolver.cluster_spec().as_dict()
