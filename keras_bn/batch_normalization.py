@@ -67,10 +67,29 @@ class BatchNormalization(keras.layers.Layer):
     variance), and a restore gives every replica that average. `k=1` means
     local statistics.
 
-    Precision. Statistics, weights and arithmetic are float32 whatever the
-    input dtype; the output is cast to the layer's `compute_dtype`. Under a
-    `mixed_float16` policy inputs up to the float16 maximum (6.5e4) do not
-    overflow.
+    Batch Renormalization (Ioffe 2017). With `renorm=True`, training uses
+    y = γ (r x̂ + d) + β with r = σ_B / σ_R and d = (μ_B − μ_R) / σ_R, where
+    σ_B = √(σ²_B + ε) and μ_R, σ_R are moving averages of μ_B and σ_B with
+    `renorm_momentum` (weights `renorm_mean`, `renorm_stddev`, σ_R at least
+    √ε). r is clipped to [rmin, rmax] and d to [−dmax, dmax] from
+    `renorm_clipping`; both are held out of the gradient. The inference
+    statistics then track the standard deviation: `moving_stddev` averages
+    √(v_B + ε) with `momentum`, and `moving_variance` = moving_stddev² − ε
+    (clipped at 0). Inference is the same transform as without renorm. Under
+    synchronisation r and d come from the group's (or global) moments.
+    Argument names and semantics are Keras'.
+
+    Precision. Statistics and arithmetic are in float32 for float16,
+    bfloat16 and float32 inputs and in float64 for float64 inputs (a layer
+    with `dtype="float64"`); the moving statistics, γ and β have that dtype
+    too (for mixed policies, float32). The output is cast to the layer's
+    `compute_dtype`. Under a `mixed_float16` policy inputs up to the float16
+    maximum (6.5e4) do not overflow.
+
+    Backends. With local statistics the layer runs on every Keras 3 backend
+    (TensorFlow, JAX, PyTorch). `synchronized=True` needs TensorFlow's
+    `tf.distribute`; on another backend it raises a `ValueError` naming the
+    backend.
 
     Frozen layers. As in Keras, a layer with `trainable=False` always runs in
     inference mode and never updates its moving statistics.
@@ -92,6 +111,12 @@ class BatchNormalization(keras.layers.Layer):
         sync_group_size: int >= 1 or `None`, default None (all replicas).
             With `synchronized=True`, the replicas per group (see above); it
             must divide the number of replicas in sync.
+        renorm: bool, default False. Batch Renormalization (see above).
+        renorm_clipping: dict or `None`, default None; only with
+            `renorm=True`. Optional keys "rmax", "rmin", "dmax" (floats);
+            missing ones mean no clipping on that side (∞, 0, ∞).
+        renorm_momentum: float in [0, 1), default 0.99; only with
+            `renorm=True`. Momentum of `renorm_mean` and `renorm_stddev`.
         beta_initializer: default "zeros".
         gamma_initializer: default "ones".
         moving_mean_initializer: default "zeros".
@@ -107,18 +132,24 @@ class BatchNormalization(keras.layers.Layer):
             covers it).
         training: bool. True normalises with batch statistics and updates
             the moving statistics; False/None uses the moving statistics.
-        mask: optional boolean tensor of `inputs`' shape minus its last axis
-            (Keras' convention). Masked-out positions do not count towards
-            the batch statistics. Requires `axis` to be the last axis alone.
+        mask: optional boolean tensor of `inputs`' rank minus one (Keras'
+            convention): the inputs' shape without the last axis, or
+            broadcastable to it; it broadcasts over the last axis, whatever
+            the feature axes. Masked-out values do not count towards the
+            batch statistics (each feature counts its own unmasked values);
+            a fully masked feature keeps its moving statistics. Inference
+            ignores the mask.
 
     Returns:
         A tensor of the inputs' shape in the layer's `compute_dtype`.
 
     Raises:
-        ValueError: for an invalid `axis`, `momentum` or `epsilon`, an axis
-            out of range or an undefined feature dimension at build, a
-            training batch whose statistics would be over a single value
-            (m = 1) when that is known statically, an unsupported mask,
+        ValueError: for an invalid `axis`, `momentum`, `epsilon`,
+            `renorm_clipping` or `renorm_momentum`, an axis out of range or an
+            undefined feature dimension at build, a training batch whose
+            statistics would be over a single value (m = 1) when that is known
+            statically, a mask of the wrong rank, `synchronized=True` on a
+            backend other than TensorFlow,
             `sync_group_size` < 1 or without `synchronized=True`, and at the
             first synchronised call a `sync_group_size` that does not divide
             the replica count.
@@ -131,6 +162,9 @@ class BatchNormalization(keras.layers.Layer):
         S. Ioffe and C. Szegedy, "Batch Normalization: Accelerating Deep
         Network Training by Reducing Internal Covariate Shift", ICML 2015,
         arXiv:1502.03167.
+        S. Ioffe, "Batch Renormalization: Towards Reducing Minibatch
+        Dependence in Batch-Normalized Models", NeurIPS 2017,
+        arXiv:1702.03275.
     """
 
     def __init__(
@@ -143,6 +177,9 @@ class BatchNormalization(keras.layers.Layer):
         unbiased_variance=False,
         synchronized=False,
         sync_group_size=None,
+        renorm=False,
+        renorm_clipping=None,
+        renorm_momentum=0.99,
         beta_initializer="zeros",
         gamma_initializer="ones",
         moving_mean_initializer="zeros",
@@ -166,6 +203,11 @@ class BatchNormalization(keras.layers.Layer):
         self.sync_group_size = _coerce_group_size(
             sync_group_size, self.synchronized
         )
+        self.renorm = _coerce_bool("renorm", renorm)
+        self.renorm_clipping = _coerce_renorm_clipping(renorm_clipping, self.renorm)
+        self.renorm_momentum = _coerce_momentum(
+            renorm_momentum, "renorm_momentum", allow_none=False
+        )
         self.beta_initializer = initializers.get(beta_initializer)
         self.gamma_initializer = initializers.get(gamma_initializer)
         self.moving_mean_initializer = initializers.get(moving_mean_initializer)
@@ -182,9 +224,20 @@ class BatchNormalization(keras.layers.Layer):
         self.moving_mean = None
         self.moving_variance = None
         self.moving_batches = None
-        # Set by `estimate_population_statistics`: called eagerly with every
-        # training batch's (count, mean, variance).
-        self._statistics_observer = None
+        self.moving_stddev = None
+        self.renorm_mean = None
+        self.renorm_stddev = None
+        self._feature_axes = None
+
+    @property
+    def feature_axes(self):
+        """The feature axes as sorted non-negative ints (`None` before build)."""
+        return self._feature_axes
+
+    @property
+    def statistics_dtype(self):
+        """The dtype of the statistics, weights and arithmetic: float64 or float32."""
+        return "float64" if self.variable_dtype == "float64" else "float32"
 
     def build(self, input_shape):
         rank = len(input_shape)
@@ -225,6 +278,7 @@ class BatchNormalization(keras.layers.Layer):
                 constraint=self.gamma_constraint,
                 trainable=True,
                 autocast=False,
+                dtype=self.statistics_dtype,
             )
         if self.center:
             self.beta = self.add_weight(
@@ -235,6 +289,7 @@ class BatchNormalization(keras.layers.Layer):
                 constraint=self.beta_constraint,
                 trainable=True,
                 autocast=False,
+                dtype=self.statistics_dtype,
             )
         # Moving statistics are sync-on-read: each replica updates its own
         # copy with no communication (under synchronisation the copies are
@@ -249,6 +304,18 @@ class BatchNormalization(keras.layers.Layer):
             self.moving_batches = self._statistic(
                 "moving_batches", (), initializers.Zeros()
             )
+        if self.renorm:
+            # Stddevs start at √ of the variance initializer, as in Keras.
+            variance_init = self.moving_variance_initializer
+
+            def stddev_initializer(shape, dtype=None):
+                return ops.sqrt(variance_init(shape, dtype=dtype))
+
+            self.moving_stddev = self._statistic("moving_stddev", shape, stddev_initializer)
+            self.renorm_mean = self._statistic(
+                "renorm_mean", shape, self.moving_mean_initializer
+            )
+            self.renorm_stddev = self._statistic("renorm_stddev", shape, stddev_initializer)
         self.input_spec = keras.layers.InputSpec(
             ndim=rank, axes={a: input_shape[a] for a in self._feature_axes}
         )
@@ -258,7 +325,7 @@ class BatchNormalization(keras.layers.Layer):
             return keras.Variable(
                 initializer=initializer,
                 shape=shape,
-                dtype="float32",
+                dtype=self.statistics_dtype,
                 trainable=False,
                 autocast=False,
                 synchronization="on_read",
@@ -275,36 +342,32 @@ class BatchNormalization(keras.layers.Layer):
                 f"{type(self).__name__} needs floating-point inputs. "
                 f"Received: inputs.dtype={keras.backend.standardize_dtype(inputs.dtype)}"
             )
-        x = ops.cast(inputs, "float32")
+        dtype = self.statistics_dtype
+        x = ops.cast(inputs, dtype)
         gamma = self._broadcast(self.gamma, 1.0)
         beta = self._broadcast(self.beta, 0.0)
         if training and self.trainable:
-            weights = self._mask_weights(inputs, mask)
+            weights = self._mask_weights(x, mask)
             if weights is None:
                 self._check_static_count(inputs.shape)
-            groups = (
-                moments.replica_groups(
-                    moments.sync_replica_context(), self.sync_group_size
-                )
-                if self.synchronized
-                else None
+            groups = self._replica_groups()
+            count, mean, variance = normalize.batch_moments(
+                x, self._reduction_axes, weights, groups
             )
-            y, mean, variance, count = (
-                normalize.normalize_with_batch_statistics(
-                    x,
-                    gamma,
-                    beta,
-                    axes=self._reduction_axes,
-                    epsilon=self.epsilon,
-                    weights=weights,
-                    groups=groups,
-                )
+            if self.renorm:
+                r, d = self._renorm_correction(mean, variance)
+                beta = beta + gamma * d
+                gamma = gamma * r
+            y = normalize.normalize_with_batch_statistics(
+                x, gamma, beta, mean, variance, count,
+                axes=self._reduction_axes,
+                epsilon=self.epsilon,
+                weights=weights,
+                groups=groups,
             )
-            mean = ops.reshape(mean, self.moving_mean.shape)
-            variance = ops.reshape(variance, self.moving_variance.shape)
-            if self._statistics_observer is not None:
-                self._statistics_observer(count, mean, variance)
-            self._update_moving_statistics(mean, variance, count)
+            self._update_moving_statistics(
+                self._flat(mean), self._flat(variance), self._flat_count(count)
+            )
         else:
             y = normalize.normalize_with_statistics(
                 x,
@@ -316,27 +379,72 @@ class BatchNormalization(keras.layers.Layer):
             )
         return ops.cast(y, self.compute_dtype)
 
-    def _broadcast(self, variable, default):
-        if variable is None:
-            return ops.full(self._broadcast_shape, default, dtype="float32")
-        return ops.reshape(ops.cast(variable, "float32"), self._broadcast_shape)
+    def _replica_groups(self):
+        """The replica groups to synchronise over, `None` for local statistics."""
+        if not self.synchronized:
+            return None
+        if keras.backend.backend() != "tensorflow":
+            raise ValueError(
+                "synchronized=True needs the TensorFlow backend (tf.distribute) "
+                f"and is not supported on the {keras.backend.backend()} backend. "
+                "Received: synchronized=True"
+            )
+        return moments.replica_groups(
+            moments.sync_replica_context(), self.sync_group_size
+        )
 
-    def _mask_weights(self, inputs, mask):
+    def _broadcast(self, variable, default):
+        dtype = self.statistics_dtype
+        if variable is None:
+            return ops.full(self._broadcast_shape, default, dtype=dtype)
+        return ops.reshape(ops.cast(variable, dtype), self._broadcast_shape)
+
+    def _flat(self, statistic):
+        return ops.reshape(statistic, self.moving_mean.shape)
+
+    def _flat_count(self, count):
+        # One count for all features, or one per feature (masks over them).
+        size = 1
+        for dim in count.shape:
+            size *= dim
+        if size == 1:
+            return ops.reshape(count, ())
+        return self._flat(ops.broadcast_to(count, self._broadcast_shape))
+
+    def _mask_weights(self, x, mask):
+        """The mask as 0/1 weights of `x`'s rank, or `None` without a mask."""
         if mask is None:
             return None
-        rank = len(inputs.shape)
+        rank = len(x.shape)
         if len(mask.shape) != rank - 1:
             raise ValueError(
-                "The mask must have one dimension less than the inputs. "
+                "The mask must have one dimension less than the inputs "
+                "(it broadcasts over their last axis). "
                 f"Received: mask.shape={tuple(mask.shape)}, "
-                f"inputs.shape={tuple(inputs.shape)}"
+                f"inputs.shape={tuple(x.shape)}"
             )
-        if self._feature_axes != (rank - 1,):
-            raise ValueError(
-                "Masking needs the features on the last axis alone. "
-                f"Received: axis={self.axis}"
-            )
-        return ops.expand_dims(ops.cast(mask, "float32"), -1)
+        return ops.expand_dims(ops.cast(mask, x.dtype), -1)
+
+    def _renorm_correction(self, mean, variance):
+        """Batch Renormalization's (r, d), clipped and held out of the gradient."""
+        dtype = self.statistics_dtype
+        stddev = ops.sqrt(variance + self.epsilon)
+        renorm_mean = self._broadcast(self.renorm_mean, 0.0)
+        # σ_R at least √ε: no division by zero early in training.
+        renorm_stddev = ops.maximum(
+            self._broadcast(self.renorm_stddev, 1.0),
+            ops.cast(self.epsilon, dtype) ** 0.5,
+        )
+        r = stddev / renorm_stddev
+        d = (mean - renorm_mean) / renorm_stddev
+        clipping = self.renorm_clipping or {}
+        if "rmin" in clipping:
+            r = ops.maximum(r, clipping["rmin"])
+        if "rmax" in clipping:
+            r = ops.minimum(r, clipping["rmax"])
+        if "dmax" in clipping:
+            d = ops.clip(d, -clipping["dmax"], clipping["dmax"])
+        return ops.stop_gradient(r), ops.stop_gradient(d)
 
     def _check_static_count(self, shape):
         count = 1
@@ -353,23 +461,36 @@ class BatchNormalization(keras.layers.Layer):
             )
 
     def _update_moving_statistics(self, mean, variance, count):
+        """Moves the statistics towards a batch's (per feature where count > 0)."""
+        batch_variance = variance
         if self.unbiased_variance:
             # m/(m−1) for m > 1; a single value carries no spread to correct.
             variance = variance * ops.where(
                 count > 1.0, count / ops.maximum(count - 1.0, 1.0), 1.0
             )
-        has_values = ops.cast(count > 0.0, "float32")
+        has_values = ops.cast(count > 0.0, mean.dtype)
         if self.momentum is None:
-            batches = self.moving_batches + has_values
+            # A batch counts once if any feature had values in it.
+            batches = self.moving_batches + ops.max(has_values)
             rate = ops.divide_no_nan(has_values, batches)
             self.moving_batches.assign(batches)
         else:
             rate = (1.0 - self.momentum) * has_values
-        keep = 1.0 - rate
-        self.moving_mean.assign(self.moving_mean * keep + mean * rate)
+
+        def move(variable, value, rate=rate):
+            variable.assign(variable * (1.0 - rate) + value * rate)
+
+        move(self.moving_mean, mean)
+        if not self.renorm:
+            move(self.moving_variance, variance)
+            return
+        move(self.moving_stddev, ops.sqrt(variance + self.epsilon))
         self.moving_variance.assign(
-            self.moving_variance * keep + variance * rate
+            ops.relu(ops.square(self.moving_stddev) - self.epsilon)
         )
+        renorm_rate = (1.0 - self.renorm_momentum) * has_values
+        move(self.renorm_mean, mean, renorm_rate)
+        move(self.renorm_stddev, ops.sqrt(batch_variance + self.epsilon), renorm_rate)
 
     def get_config(self):
         config = super().get_config()
@@ -383,6 +504,9 @@ class BatchNormalization(keras.layers.Layer):
                 "unbiased_variance": self.unbiased_variance,
                 "synchronized": self.synchronized,
                 "sync_group_size": self.sync_group_size,
+                "renorm": self.renorm,
+                "renorm_clipping": self.renorm_clipping,
+                "renorm_momentum": self.renorm_momentum,
                 "beta_initializer": initializers.serialize(
                     self.beta_initializer
                 ),
@@ -423,19 +547,61 @@ def _coerce_axis(axis):
     return tuple(int(a) for a in values)
 
 
-def _coerce_momentum(momentum):
-    if momentum is None:
+def _coerce_momentum(momentum, name="momentum", allow_none=True):
+    if momentum is None and allow_none:
         return None
+    kind = "a float or None" if allow_none else "a float"
     if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
         raise TypeError(
-            f"Expected `momentum` to be a float or None. Received: momentum={momentum!r}"
+            f"Expected `{name}` to be {kind}. Received: {name}={momentum!r}"
         )
     momentum = float(momentum)
     if not 0.0 <= momentum < 1.0:
         raise ValueError(
-            f"Expected `momentum` in [0, 1) or None. Received: momentum={momentum}"
+            f"Expected `{name}` in [0, 1){' or None' if allow_none else ''}. "
+            f"Received: {name}={momentum}"
         )
     return momentum
+
+
+def _coerce_renorm_clipping(clipping, renorm):
+    if clipping is None:
+        return {} if renorm else None
+    if not renorm:
+        raise ValueError(
+            "`renorm_clipping` only applies with renorm=True. "
+            f"Received: renorm_clipping={clipping!r}, renorm=False"
+        )
+    if not isinstance(clipping, dict):
+        raise TypeError(
+            "Expected `renorm_clipping` to be a dict with keys among rmax, rmin, "
+            f"dmax. Received: renorm_clipping={clipping!r}"
+        )
+    keys = ("rmax", "rmin", "dmax")
+    if set(clipping) - set(keys):
+        raise ValueError(
+            "Received invalid keys for `renorm_clipping`: "
+            f"{sorted(set(clipping) - set(keys))}; supported keys are {list(keys)}. "
+            f"Received: renorm_clipping={clipping!r}"
+        )
+    for key, value in clipping.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+            raise TypeError(
+                f"Expected `renorm_clipping[{key!r}]` to be a float. "
+                f"Received: renorm_clipping={clipping!r}"
+            )
+    clipping = {key: float(value) for key, value in clipping.items()}
+    if clipping.get("rmax", float("inf")) < clipping.get("rmin", 0.0):
+        raise ValueError(
+            "rmax should be greater than or equal to rmin in `renorm_clipping`. "
+            f"Received: renorm_clipping={clipping!r}"
+        )
+    if clipping.get("dmax", 0.0) < 0.0:
+        raise ValueError(
+            "dmax should be non-negative in `renorm_clipping`. "
+            f"Received: renorm_clipping={clipping!r}"
+        )
+    return clipping
 
 
 def _coerce_epsilon(epsilon):

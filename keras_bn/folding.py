@@ -61,7 +61,7 @@ def _foldable_pairs(model):
             channel_axis = rank - 1
         else:
             channel_axis = 1
-        if bn._feature_axes == (channel_axis,):
+        if bn.feature_axes == (channel_axis,):
             pairs[producer.name] = bn
     return pairs
 

@@ -21,13 +21,15 @@ def local_moments(x, axes, weights=None):
     Args:
         x: float tensor (float32 or float64), the statistics' dtype.
         axes: tuple of the axes to reduce.
-        weights: `None`, or a 0/1 tensor of `x`'s dtype broadcastable to `x`
-            with size 1 on every axis not in `axes` (a mask).
+        weights: `None`, or a 0/1 tensor of `x`'s dtype and rank,
+            broadcastable to `x` (a mask).
 
     Returns:
-        `count`, a scalar of `x`'s dtype (the number of values each statistic
-        is over), and `mean`, `m2` of `x`'s rank with size 1 on `axes`. An
-        empty batch gives count 0 and zero mean and m2, never NaN.
+        `count` (the number of values each statistic is over), a scalar
+        without weights, else of `x`'s rank with size 1 on `axes` and on
+        every feature axis the weights do not vary along; and `mean`, `m2` of
+        `x`'s rank with size 1 on `axes`, of `x`'s dtype. An empty batch gives
+        count 0 and zero mean and m2, never NaN.
     """
     if weights is None:
         shape = ops.shape(x)
@@ -42,7 +44,13 @@ def local_moments(x, axes, weights=None):
         mean = ops.where(has_values, mean, 0.0)
         m2 = ops.where(has_values, variance * count, 0.0)
     else:
-        count = ops.sum(weights)
+        # The count of each statistic: per feature when the mask varies
+        # across features (a mask over the feature axis), else one value.
+        x_shape = ops.shape(x)
+        count_shape = [
+            x_shape[i] if i in axes else weights.shape[i] for i in range(len(x.shape))
+        ]
+        count = ops.sum(ops.broadcast_to(weights, count_shape), axis=axes, keepdims=True)
         mean = ops.divide_no_nan(
             ops.sum(x * weights, axis=axes, keepdims=True), count
         )
@@ -178,7 +186,8 @@ class ReplicaGroups:
         (R and G are Python ints), so the merge compiles under XLA.
 
         Args:
-            count: scalar, the local count.
+            count: the local count: a scalar, or per feature (broadcastable
+                to `mean`).
             mean: local means, any shape (the feature axes).
             m2: local sums of squared deviations, shaped like `mean`.
 
@@ -212,24 +221,25 @@ class ReplicaGroups:
         # (R, 2C + 1) tensor; one all-reduce gathers all rows, then the
         # parallel merge n = Σ n_r, μ = Σ n_r μ_r / n,
         # M2 = Σ M2_r + Σ n_r (μ_r − μ)².
+        # `count` holds one value, or one per feature (masks over features).
         shape = ops.shape(mean)
-        mean_flat = ops.reshape(mean, (-1,))
-        channels = mean_flat.shape[0]
+        count_size, channels = _size(count), _size(mean)
         row = ops.concatenate(
-            [ops.reshape(count, (1,)), mean_flat, ops.reshape(m2, (-1,))], axis=0
+            [ops.reshape(count, (-1,)), ops.reshape(mean, (-1,)), ops.reshape(m2, (-1,))],
+            axis=0,
         )
         slot = self._one_hot(self._replica_id(), self.num_replicas, row.dtype)
         rows = self._all_reduce(slot[:, None] * row[None, :])
-        counts = rows[:, :1]
-        means = rows[:, 1 : 1 + channels]
-        m2s = rows[:, 1 + channels :]
-        total = ops.sum(counts)
+        counts = rows[:, :count_size]
+        means = rows[:, count_size : count_size + channels]
+        m2s = rows[:, count_size + channels :]
+        total = ops.sum(counts, axis=0)
         global_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
         global_m2 = ops.sum(m2s, axis=0) + ops.sum(
             counts * ops.square(means - global_mean), axis=0
         )
         return (
-            total,
+            ops.reshape(total, ops.shape(count)),
             ops.reshape(global_mean, shape),
             ops.reshape(global_m2, shape),
         )

@@ -6,11 +6,18 @@ axes, with m values (n after a cross-replica merge):
 Backward, with g = ∂ℓ/∂y and r = 1 / √(σ² + ε), the paper's chain rule
 through μ and σ² collapses to
     ∂ℓ/∂x = γ r (g − (Σ g + x̂ Σ g x̂) / m),  ∂ℓ/∂γ = Σ g x̂,  ∂ℓ/∂β = Σ g.
-With a 0/1 mask w the statistics are weighted and the correction term is
-multiplied by w. Under synchronisation the sums Σ g and Σ g x̂ in ∂ℓ/∂x are
-over the replica group's batch (one packed all-reduce of 2C floats, G·2C with
-G groups), while ∂ℓ/∂γ and ∂ℓ/∂β stay local: the strategy sums them across
-replicas like every other gradient.
+With a 0/1 mask w the statistics are weighted (m counts the unmasked values
+of each feature) and the correction term is multiplied by w. Under
+synchronisation the sums Σ g and Σ g x̂ in ∂ℓ/∂x are over the replica group's
+batch (one packed all-reduce of 2C floats, G·2C with G groups), while ∂ℓ/∂γ
+and ∂ℓ/∂β stay local: the strategy sums them across replicas like every
+other gradient.
+
+The statistics are computed first (`batch_moments`, no gradient) and passed
+to `normalize_with_batch_statistics`, whose custom gradient accounts for
+their dependence on x analytically; so a caller can derive other quantities
+from them (Batch Renormalization's r and d) before normalising. Everything
+is in `keras.ops`, so it runs on every Keras backend.
 """
 
 from keras import ops
@@ -18,69 +25,82 @@ from keras import ops
 from keras_bn import moments
 
 
-def normalize_with_batch_statistics(
-    x, gamma, beta, *, axes, epsilon, weights=None, groups=None
-):
-    """Normalises `x` with its batch statistics and returns them.
+def batch_moments(x, axes, weights=None, groups=None):
+    """Returns `(count, mean, variance)` of `x` over `axes`, without gradient.
 
     Args:
-        x: float32 input.
-        gamma: float32 scale, broadcastable to `x` (size 1 on `axes`).
-        beta: float32 offset, shaped like `gamma`.
+        x: float input (float32 or float64, the statistics' dtype).
         axes: tuple of the reduced axes.
-        epsilon: float, added to the variance.
-        weights: `None` or a float32 0/1 mask broadcastable to `x`.
+        weights: `None` or a 0/1 mask of `x`'s dtype broadcastable to `x`.
         groups: `None` for local statistics, else the `moments.ReplicaGroups`
-            whose group batch supplies the statistics.
+            whose group batch supplies them.
 
     Returns:
-        `(y, mean, variance, count)`: the float32 output, the batch mean and
-        biased variance shaped like `gamma`, and the float32 count m they are
-        over. Only `y` carries a gradient.
+        `count` (the values each statistic is over: size 1 on every axis, or
+        per feature when a mask varies across features), and the mean and
+        biased variance with size 1 on `axes`.
+    """
+    count, mean, m2 = moments.local_moments(ops.stop_gradient(x), axes, weights)
+    if groups is not None:
+        count, mean, m2 = groups.moments(count, mean, m2)
+    return count, mean, ops.divide_no_nan(m2, count)
+
+
+def normalize_with_batch_statistics(
+    x, gamma, beta, mean, variance, count, *, axes, epsilon, weights=None, groups=None
+):
+    """Normalises `x` with its own batch statistics `(count, mean, variance)`.
+
+    Args:
+        x: float input.
+        gamma: scale of `x`'s dtype, broadcastable to `x` (size 1 on `axes`).
+        beta: offset, shaped like `gamma`.
+        mean, variance, count: `batch_moments(x, axes, weights, groups)`.
+        axes: tuple of the reduced axes.
+        epsilon: float, added to the variance.
+        weights: `None` or the 0/1 mask the statistics were computed with.
+        groups: `None` or the `moments.ReplicaGroups` they were merged over.
+
+    Returns:
+        The output `y` in `x`'s dtype. Its gradient with respect to `x`
+        includes the paths through the batch mean and variance.
     """
 
     @ops.custom_gradient
-    def forward(x, gamma, beta):
-        count, mean, m2 = moments.local_moments(x, axes, weights)
-        if groups is not None:
-            count, mean, m2 = groups.moments(count, mean, m2)
-        variance = ops.divide_no_nan(m2, count)
+    def forward(x, gamma, beta, mean, variance, count):
         inv = ops.rsqrt(variance + epsilon)
         scale = gamma * inv
         y = x * scale + (beta - mean * scale)
 
-        def grad(dy, *unused_statistics_grads, **unused_kwargs):
-            dy = ops.cast(dy, "float32")
+        def grad(*args, upstream=None):
+            # TensorFlow and JAX pass the output's cotangent positionally,
+            # PyTorch as `upstream` (after the inputs).
+            dy = ops.cast(args[0] if upstream is None else upstream, x.dtype)
             # Recomputed rather than kept from the forward pass: holding one
             # more full-size tensor per layer until the backward pass costs
             # more memory traffic than the subtraction.
             centered = x - mean
             sum_dy = ops.sum(dy, axis=axes, keepdims=True)
-            sum_dy_xhat = (
-                ops.sum(dy * centered, axis=axes, keepdims=True) * inv
-            )
-            global_dy, global_dy_xhat = sum_dy, sum_dy_xhat
+            sum_dy_xhat = ops.sum(dy * centered, axis=axes, keepdims=True) * inv
+            group_dy, group_dy_xhat = sum_dy, sum_dy_xhat
             if groups is not None:
-                global_dy, global_dy_xhat = groups.sum([sum_dy, sum_dy_xhat])
-            coef_const = ops.divide_no_nan(scale * global_dy, count)
-            coef_centered = ops.divide_no_nan(
-                scale * inv * global_dy_xhat, count
-            )
+                group_dy, group_dy_xhat = groups.sum([sum_dy, sum_dy_xhat])
+            coef_const = ops.divide_no_nan(scale * group_dy, count)
+            coef_centered = ops.divide_no_nan(scale * inv * group_dy_xhat, count)
             correction = coef_centered * centered + coef_const
             if weights is not None:
                 correction = correction * weights
             dx = dy * scale - correction
-            return dx, sum_dy_xhat, sum_dy
+            # The statistics' own cotangents are zero: their dependence on x
+            # is already in dx.
+            return (
+                dx, sum_dy_xhat, sum_dy,
+                ops.zeros_like(mean), ops.zeros_like(variance), ops.zeros_like(count),
+            )
 
-        return (y, mean, variance, count), grad
+        return y, grad
 
-    y, mean, variance, count = forward(x, gamma, beta)
-    return (
-        y,
-        ops.stop_gradient(mean),
-        ops.stop_gradient(variance),
-        ops.stop_gradient(count),
-    )
+    return forward(x, gamma, beta, mean, variance, count)
 
 
 def normalize_with_statistics(x, mean, variance, gamma, beta, epsilon):

@@ -1,40 +1,31 @@
 """Population statistics recomputed after training (paper Algorithm 2)."""
 
+import keras
 import numpy as np
 
 from keras_bn.batch_normalization import BatchNormalization
 
 
 def batch_norm_layers(model):
-    """Every `keras_bn.BatchNormalization` inside `model`, nested ones too."""
-    return [
-        layer
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-        if isinstance(layer, BatchNormalization)
-    ]
+    """Every `keras_bn.BatchNormalization` in `model`, nested models included.
 
+    Walks the public `layers` of `model` and of every layer that has layers
+    of its own (nested `Sequential`/functional/subclassed models), depth
+    first, each layer once.
+    """
+    found, seen = [], set()
 
-class _Accumulator:
-    """Count-weighted sums of one layer's batch means and variances."""
-
-    def __init__(self, unbiased):
-        self.unbiased = unbiased
-        self.count = 0.0
-        self.batches = 0
-        self.mean_sum = 0.0
-        self.variance_sum = 0.0
-
-    def __call__(self, count, mean, variance):
-        m = float(count)
-        if m <= 0:
+    def visit(layer):
+        if id(layer) in seen:
             return
-        variance = np.asarray(variance, np.float64)
-        if self.unbiased and m > 1:
-            variance = variance * m / (m - 1.0)
-        self.count += m
-        self.batches += 1
-        self.mean_sum = self.mean_sum + m * np.asarray(mean, np.float64)
-        self.variance_sum = self.variance_sum + m * variance
+        seen.add(id(layer))
+        if isinstance(layer, BatchNormalization):
+            found.append(layer)
+        for child in getattr(layer, "layers", ()):
+            visit(child)
+
+    visit(model)
+    return found
 
 
 def estimate_population_statistics(model, dataset, num_batches):
@@ -44,17 +35,21 @@ def estimate_population_statistics(model, dataset, num_batches):
     over `num_batches` batches of `dataset` with all weights fixed, and each
     layer's inference statistics are set to the averages of Algorithm 2:
 
-        E[x]   = Σ_B m_B μ_B / Σ_B m_B,
-        Var[x] = Σ_B m_B v_B / Σ_B m_B,
+        E[x]   = Σ_B n_B μ_B / Σ_B n_B,
+        Var[x] = Σ_B n_B v_B / Σ_B n_B,
 
-    where m_B counts the values behind a batch's statistics and v_B is σ²_B,
-    or m_B/(m_B − 1)·σ²_B for layers with `unbiased_variance=True`. Count
-    weighting makes a short final batch count for what it holds; with equal
-    batches it is the paper's plain average. Nothing else changes: the moving
-    statistics the forward passes would have updated are restored before the
-    estimates are written. Layers with `momentum=None` also get
-    `moving_batches` set to the number of batches seen, so later training
-    continues the same average. The passes run eagerly.
+    where n_B is the number of examples in batch B and v_B is σ²_B, or
+    m_B/(m_B − 1)·σ²_B for layers with `unbiased_variance=True` (m_B the
+    values behind the statistic). Weighting by n_B makes a short final batch
+    count for what it holds; when all batches share their other dimensions
+    it is weighting by m_B, and with equal batches it is the paper's plain
+    average. Each batch's statistics are read from the layers' own moving
+    statistics after a pass with `momentum` set to 0, so they are exactly
+    what training computes; nothing else changes: every layer's momentum and
+    non-trainable variables are restored before the estimates are written.
+    Layers with `momentum=None` also get `moving_batches` set to the number
+    of batches seen, so later training continues the same average. The passes
+    run eagerly.
 
     Args:
         model: a Keras model containing `keras_bn.BatchNormalization` layers.
@@ -63,8 +58,8 @@ def estimate_population_statistics(model, dataset, num_batches):
         num_batches: positive int, how many batches to use at most.
 
     Returns:
-        A dict from each layer's `path` to its `(mean, variance)` float32
-        NumPy arrays.
+        A dict from each layer's `path` to its `(mean, variance)` NumPy
+        arrays, in the layer's statistics dtype.
 
     Raises:
         ValueError: if `num_batches` is not a positive int, if the model has
@@ -74,44 +69,48 @@ def estimate_population_statistics(model, dataset, num_batches):
         raise ValueError(
             f"Expected `num_batches` to be a positive int. Received: num_batches={num_batches!r}"
         )
-    layers = batch_norm_layers(model)
+    layers = [layer for layer in batch_norm_layers(model) if layer.trainable]
     if not layers:
         raise ValueError(
-            "The model contains no keras_bn.BatchNormalization layer. "
+            "The model contains no trainable keras_bn.BatchNormalization layer. "
             f"Received: model={model.name}"
         )
-    accumulators = [_Accumulator(layer.unbiased_variance) for layer in layers]
-    saved = [
-        [v.numpy() for v in layer.non_trainable_variables] for layer in layers
-    ]
+    saved = [[v.numpy() for v in layer.non_trainable_variables] for layer in layers]
+    momenta = [layer.momentum for layer in layers]
+    weight = 0.0
+    sums = [[0.0, 0.0] for _ in layers]
+    seen = 0
     try:
-        for layer, accumulator in zip(layers, accumulators):
-            layer._statistics_observer = accumulator
-        seen = 0
+        for layer in layers:
+            layer.momentum = 0.0  # The moving statistics become the batch's.
         for batch in dataset:
             if seen == num_batches:
                 break
             inputs = batch[0] if isinstance(batch, tuple) else batch
+            examples = float(keras.ops.shape(keras.tree.flatten(inputs)[0])[0])
             model(inputs, training=True)
+            weight += examples
+            for layer, total in zip(layers, sums):
+                total[0] = total[0] + examples * np.asarray(layer.moving_mean, np.float64)
+                total[1] = total[1] + examples * np.asarray(layer.moving_variance, np.float64)
             seen += 1
     finally:
-        for layer, values in zip(layers, saved):
-            layer._statistics_observer = None
+        for layer, values, momentum in zip(layers, saved, momenta):
+            layer.momentum = momentum
             for variable, value in zip(layer.non_trainable_variables, values):
                 variable.assign(value)
     if seen == 0:
         raise ValueError("The dataset yielded no batch.")
     estimates = {}
-    for layer, accumulator in zip(layers, accumulators):
-        if accumulator.batches == 0:
-            continue  # The layer never ran in training mode (e.g. frozen).
-        mean = (accumulator.mean_sum / accumulator.count).astype(np.float32)
-        variance = (accumulator.variance_sum / accumulator.count).astype(
-            np.float32
-        )
+    for layer, (mean_sum, variance_sum) in zip(layers, sums):
+        dtype = layer.statistics_dtype
+        mean = (mean_sum / weight).astype(dtype)
+        variance = (variance_sum / weight).astype(dtype)
         layer.moving_mean.assign(mean)
         layer.moving_variance.assign(variance)
+        if layer.renorm:
+            layer.moving_stddev.assign(np.sqrt(variance + layer.epsilon).astype(dtype))
         if layer.moving_batches is not None:
-            layer.moving_batches.assign(float(accumulator.batches))
+            layer.moving_batches.assign(float(seen))
         estimates[layer.path] = (mean, variance)
     return estimates

@@ -73,7 +73,7 @@ class PopulationTest(parameterized.TestCase):
 
     def test_rejects_model_without_layers(self):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        with self.assertRaisesRegex(ValueError, r"no keras_bn.BatchNormalization.*Received: model="):
+        with self.assertRaisesRegex(ValueError, r"no trainable keras_bn.BatchNormalization.*Received: model="):
             keras_bn.estimate_population_statistics(model, [np.ones((2, 3))], num_batches=1)
 
     def test_rejects_empty_dataset(self):

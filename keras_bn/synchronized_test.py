@@ -284,8 +284,9 @@ class XlaTest(parameterized.TestCase):
             def step(x):
                 with tf.GradientTape() as tape:
                     tape.watch([x, gamma, beta])
-                    y, mean, variance, count = normalize.normalize_with_batch_statistics(
-                        x, gamma, beta, axes=axes, epsilon=1e-3, groups=groups
+                    count, mean, variance = normalize.batch_moments(x, axes, groups=groups)
+                    y = normalize.normalize_with_batch_statistics(
+                        x, gamma, beta, mean, variance, count, axes=axes, epsilon=1e-3, groups=groups
                     )
                     loss = tf.reduce_sum(y * w)
                 return [y, mean, variance, count] + tape.gradient(loss, [x, gamma, beta])
