@@ -1,6 +1,7 @@
 """keras-bn: Batch Normalization (Ioffe & Szegedy, 2015) for Keras 3."""
 
 from keras_bn.batch_normalization import BatchNormalization
+from keras_bn.conversion import convert_batch_norm
 from keras_bn.folding import fold_batch_norm
 from keras_bn.population import estimate_population_statistics
 
@@ -8,6 +9,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchNormalization",
+    "convert_batch_norm",
     "estimate_population_statistics",
     "fold_batch_norm",
 ]

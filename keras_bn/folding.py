@@ -1,8 +1,6 @@
 """Folding inference-mode batch normalization into the preceding layer."""
 
 import keras
-# Keras exports no public name for the functional-model class.
-from keras.src.models.functional import Functional
 import numpy as np
 
 from keras_bn.batch_normalization import BatchNormalization
@@ -37,21 +35,63 @@ class FoldedBatchNorm(keras.layers.Layer):
         return input_shape
 
 
+def _graph(model):
+    """`(callers, consumers)` of a Sequential or functional model's layers.
+
+    Read from the model's public config: `callers[name]` lists, per call of
+    the layer, the names of the layers whose outputs it was called on, and
+    `consumers[name]` counts the uses of the layer's outputs (by other layers
+    and as model outputs).
+    """
+    if isinstance(model, keras.Sequential):
+        names = [layer.name for layer in model.layers]
+        # One call each, on the previous layer's output (the first on the input).
+        callers = {name: [[prev]] for prev, name in zip([None] + names, names)}
+        return callers, {name: 1 for name in names}
+    config = model.get_config()
+    callers, consumers = {}, {}
+
+    def history(value, out):
+        if isinstance(value, dict):
+            if value.get("class_name") == "__keras_tensor__":
+                out.append(value["config"]["keras_history"][0])
+            else:
+                for item in value.values():
+                    history(item, out)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                history(item, out)
+        return out
+
+    for layer in config["layers"]:
+        calls = [history([node["args"], node["kwargs"]], []) for node in layer["inbound_nodes"]]
+        callers[layer["name"]] = calls
+        for name in (n for call in calls for n in call):
+            consumers[name] = consumers.get(name, 0) + 1
+    outputs = config["output_layers"]  # [name, node, index], or a list/dict of them.
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
+    elif outputs and not isinstance(outputs[0], (list, tuple)):
+        outputs = [outputs]
+    for name, *_ in outputs:
+        consumers[name] = consumers.get(name, 0) + 1
+    return callers, consumers
+
+
 def _foldable_pairs(model):
     """Maps each foldable producer's name to the BN layer that follows it."""
+    callers, consumers = _graph(model)
     pairs = {}
     for bn in model.layers:
-        if not isinstance(bn, BatchNormalization) or len(bn._inbound_nodes) != 1:
+        calls = callers.get(bn.name, [])
+        if not isinstance(bn, BatchNormalization) or len(calls) != 1 or len(calls[0]) != 1:
             continue
-        parents = bn._inbound_nodes[0].parent_nodes
-        if len(parents) != 1:
-            continue
-        producer = parents[0].operation
+        producer = model.get_layer(calls[0][0])
         if (
             type(producer) not in _FOLDABLE
             or producer.activation not in (None, keras.activations.linear)
-            or len(producer._inbound_nodes) != 1
-            or len(producer._outbound_nodes) != 1
+            or len(callers.get(producer.name, [])) != 1
+            or consumers.get(producer.name, 0) != 1
         ):
             continue
         rank = len(producer.output.shape)
@@ -89,7 +129,8 @@ def fold_batch_norm(model):
     Raises:
         ValueError: if `model` is not a built Sequential/functional model.
     """
-    if not isinstance(model, (keras.Sequential, Functional)):
+    # Only Sequential and functional models have graph inputs (public API).
+    if not isinstance(model, keras.Model) or not hasattr(model, "inputs"):
         raise ValueError(
             "fold_batch_norm needs a Sequential or functional model. "
             f"Received: model={type(model).__name__}"

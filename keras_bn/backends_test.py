@@ -1,0 +1,162 @@
+"""The layer with local statistics on the current Keras backend.
+
+Runs under whichever backend `KERAS_BACKEND` selects (`.ci/run` runs it under
+TensorFlow with the rest of the suite, and again under JAX and, when torch is
+installed, PyTorch, each in its own process): `fit` trains with renorm,
+masks, `momentum=None` and `unbiased_variance`; the training output and the
+moving statistics match float64 NumPy references; gradients match finite
+differences; TensorFlow is not imported unless the backend is TensorFlow;
+`synchronized=True` off TensorFlow raises an error naming the backend.
+"""
+
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+
+import keras_bn
+from keras_bn import testing
+
+BACKEND = keras.backend.backend()
+
+
+def _data(shape, seed, loc=2.0, scale=3.0):
+    return (np.random.RandomState(seed).randn(*shape) * scale + loc).astype(np.float32)
+
+
+class BackendTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("plain", {}),
+        ("unbiased_cumulative", {"momentum": None, "unbiased_variance": True}),
+        ("renorm", {"renorm": True, "renorm_clipping": {"rmax": 2.0, "rmin": 0.5, "dmax": 1.0}}),
+    )
+    def test_training_output_and_moving_statistics(self, kwargs):
+        x = _data((8, 3, 4), 0)
+        layer = keras_bn.BatchNormalization(epsilon=1e-3, **kwargs)
+        y = keras.ops.convert_to_numpy(layer(x, training=True))
+        mean, variance = testing.reference_moments(x, (-1,))
+        x_hat = (x - mean) / np.sqrt(variance + 1e-3)
+        if kwargs.get("renorm"):
+            # Initial renorm statistics (0, 1): r = σ_B clipped, d = μ_B clipped.
+            r = np.clip(np.sqrt(variance + 1e-3), 0.5, 2.0)
+            d = np.clip(mean, -1.0, 1.0)
+            x_hat = x_hat * r + d
+        np.testing.assert_allclose(y, x_hat, rtol=1e-5, atol=1e-5)
+        m = 24
+        batch_variance = variance.ravel() * (m / (m - 1) if kwargs.get("unbiased_variance") else 1.0)
+        rate = 1.0 if kwargs.get("momentum", 0.99) is None else 0.01
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_mean), rate * mean.ravel(), rtol=1e-5)
+        if kwargs.get("renorm"):
+            stddev = 0.99 + 0.01 * np.sqrt(batch_variance + 1e-3)
+            expected_variance = stddev**2 - 1e-3
+        else:
+            expected_variance = 1 - rate + rate * batch_variance
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(layer.moving_variance), expected_variance, rtol=1e-5
+        )
+
+    def test_masked_statistics_with_channels_first(self):
+        x = _data((4, 3, 5), 1)
+        mask = np.random.RandomState(2).rand(4, 3) > 0.3
+        mask[0] = True
+        layer = keras_bn.BatchNormalization(axis=1, momentum=0.0)
+        layer(x, training=True, mask=mask)
+        w = np.broadcast_to(mask[..., None], x.shape)
+        mean = (w * x).sum((0, 2)) / w.sum((0, 2))
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_mean), mean, rtol=1e-5)
+
+    def test_input_gradient_matches_finite_differences(self):
+        x = _data((6, 4), 3).astype(np.float64)
+        weights = np.random.RandomState(4).randn(6, 4)
+        layer = keras_bn.BatchNormalization(dtype="float64")
+        layer.build(x.shape)
+        w = keras.ops.convert_to_tensor(weights)
+        dx = _input_gradient(lambda v: keras.ops.sum(layer(v, training=True) * w), x)
+
+        def f(v):
+            mean, variance = v.mean(0), v.var(0)
+            return np.sum(weights * (v - mean) / np.sqrt(variance + 1e-3))
+
+        # JAX without x64 computes a float64 layer in float32.
+        exact = keras.ops.convert_to_numpy(keras.ops.ones((1,), "float64")).dtype == np.float64
+        tolerance = 1e-6 if exact else 1e-3
+        h = 1e-6
+        for idx in [(0, 0), (3, 2), (5, 3)]:
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += h
+            minus[idx] -= h
+            numeric = (f(plus) - f(minus)) / (2 * h)
+            self.assertAlmostEqual(float(dx[idx]), numeric, delta=tolerance * (1 + abs(numeric)))
+
+    @parameterized.named_parameters(
+        ("plain", {}),
+        ("renorm", {"renorm": True}),
+        ("unbiased", {"unbiased_variance": True}),
+    )
+    def test_fit_trains_with_masks(self, kwargs):
+        keras.utils.set_random_seed(0)
+        x = _data((64, 5, 3), 5)
+        x[:, 3:] = 0.0  # Padding, masked out by the Masking layer.
+        y = (x[:, :3].sum((1, 2)) > 6.0).astype(np.float32)
+        model = keras.Sequential([
+            keras.Input((5, 3)),
+            keras.layers.Masking(0.0),
+            # The exact cumulative average, so the moving mean is checkable.
+            keras_bn.BatchNormalization(momentum=None, **kwargs),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ])
+        model.compile(keras.optimizers.SGD(0.5), "binary_crossentropy")
+        history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+        losses = history.history["loss"]
+        self.assertTrue(np.all(np.isfinite(losses)))
+        self.assertLess(losses[-1], losses[0])
+        moving_mean = keras.ops.convert_to_numpy(model.layers[1].moving_mean)
+        # Only the unmasked steps count (the padded mean would be 3/5 of it).
+        np.testing.assert_allclose(moving_mean, x[:, :3].mean((0, 1)), rtol=1e-4)
+
+    def test_tensorflow_is_imported_only_by_the_tensorflow_backend(self):
+        script = (
+            "import sys, numpy as np, keras, keras_bn\n"
+            "layer = keras_bn.BatchNormalization(renorm=True)\n"
+            "layer(np.ones((4, 3), 'float32'), training=True, mask=np.ones((4,), bool))\n"
+            "print('tensorflow' in sys.modules)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+        self.assertEqual(out.stdout.strip().splitlines()[-1], str(BACKEND == "tensorflow"))
+
+    def test_synchronized_needs_tensorflow(self):
+        if BACKEND == "tensorflow":
+            self.skipTest("synchronized=True is supported on the TensorFlow backend")
+        layer = keras_bn.BatchNormalization(synchronized=True)
+        with self.assertRaisesRegex(ValueError, f"not supported on the {BACKEND} backend"):
+            layer(np.ones((4, 3), np.float32), training=True)
+
+
+def _input_gradient(loss_fn, x):
+    """d loss / d x on the current backend, as a NumPy array."""
+    if BACKEND == "jax":
+        import jax
+
+        return np.asarray(jax.grad(lambda v: loss_fn(v))(x))
+    if BACKEND == "torch":
+        import torch
+
+        v = torch.tensor(x, requires_grad=True)
+        loss_fn(v).backward()
+        return v.grad.numpy()
+    import tensorflow as tf
+
+    v = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(v)
+        loss = loss_fn(v)
+    return tape.gradient(loss, v).numpy()
+
+
+if __name__ == "__main__":
+    absltest.main()
