@@ -143,26 +143,54 @@ class MirroredTest(parameterized.TestCase):
     )
     def test_groups_match_single_device_on_each_group_batch(self, group_size, sizes):
         x, w = _data((sum(sizes), 5), 20 + group_size, loc=3.0)
-        kwargs = dict(momentum=0.6, unbiased_variance=True)
-        _, layer, actual = _mirrored(4, sizes, {}, x, w, steps=2, sync_group_size=group_size, **kwargs)
+        self._check_groups(4, group_size, sizes, x, w, None, {}, dict(momentum=0.6, unbiased_variance=True))
+
+    @parameterized.named_parameters(
+        ("renorm_all", 4, None, False, {"renorm": True, "renorm_clipping": {"rmax": 1.2, "dmax": 0.2}}),
+        ("renorm_groups", 4, 2, False, {"renorm": True, "renorm_clipping": {"rmin": 0.9, "dmax": 0.1}}),
+        ("masked_channels_first_packed", 2, None, True, {}),
+        ("masked_channels_first_all", 4, None, True, {}),
+        ("masked_channels_first_groups", 4, 2, True, {}),
+        ("masked_renorm_groups", 4, 2, True, {"renorm": True, "renorm_clipping": {"rmax": 1.1}}),
+    )
+    def test_renorm_and_masks_match_single_device(self, num_replicas, group_size, masked, kwargs):
+        # Channels first (axis=1) with the mask over it: per-channel counts.
+        sizes = [3, 1, 2, 4][:num_replicas]
+        x, w = _data((sum(sizes), 3, 4), 30 + num_replicas, loc=2.0, scale=3.0)
+        mask = np.random.RandomState(31).rand(sum(sizes), 3) > 0.3 if masked else None
+        self._check_groups(
+            num_replicas, group_size, sizes, x, w, mask, {"axis": 1}, dict(momentum=0.5, renorm_momentum=0.7, **kwargs)
+            if kwargs.get("renorm") else dict(momentum=0.5, **kwargs),
+        )
+
+    def _check_groups(self, num_replicas, group_size, sizes, x, w, mask, shape_kwargs, kwargs):
+        """Each group's replicas equal one device on the group's batch."""
+        _, layer, actual = _mirrored(
+            num_replicas, sizes, shape_kwargs, x, w, steps=2, mask=mask, sync_group_size=group_size, **kwargs
+        )
+        k = group_size or num_replicas
         bounds = np.cumsum([0] + sizes)
         expected = [[], [], 0.0, 0.0]
-        means, variances = [], []
-        for g in range(4 // group_size):
-            lo, hi = bounds[g * group_size], bounds[(g + 1) * group_size]
-            reference, (y, dx, dgamma, dbeta) = _single_device({}, x[lo:hi], w[lo:hi], steps=2, **kwargs)
+        statistics = {name: [] for name in ("moving_mean", "moving_variance", "renorm_mean", "renorm_stddev")}
+        for g in range(num_replicas // k):
+            lo, hi = bounds[g * k], bounds[(g + 1) * k]
+            reference, (y, dx, dgamma, dbeta) = _single_device(
+                shape_kwargs, x[lo:hi], w[lo:hi], steps=2, mask=None if mask is None else mask[lo:hi], **kwargs
+            )
             expected[0].append(y)
             expected[1].append(dx)
             expected[2] = expected[2] + dgamma
             expected[3] = expected[3] + dbeta
-            means += [reference.moving_mean.numpy()] * group_size
-            variances += [reference.moving_variance.numpy()] * group_size
+            for name, values in statistics.items():
+                if getattr(reference, name) is not None:
+                    values += [getattr(reference, name).numpy()] * k
         expected[0], expected[1] = np.concatenate(expected[0]), np.concatenate(expected[1])
         for name, a, e in zip(("y", "dx", "dgamma", "dbeta"), actual, expected):
             np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
-        for copies, refs in ((_replica_copies(layer.moving_mean), means), (_replica_copies(layer.moving_variance), variances)):
-            for replica, (copy, ref) in enumerate(zip(copies, refs)):
-                np.testing.assert_allclose(copy, ref, rtol=1e-5, atol=1e-6, err_msg=f"replica {replica}")
+        for name, refs in statistics.items():
+            if refs:
+                for replica, (copy, ref) in enumerate(zip(_replica_copies(getattr(layer, name)), refs)):
+                    np.testing.assert_allclose(copy, ref, rtol=1e-5, atol=1e-6, err_msg=f"{name} replica {replica}")
 
     def test_group_size_must_divide_replica_count(self):
         x, w = _data((8, 3), 21)
