@@ -334,6 +334,17 @@ class PrecisionTest(parameterized.TestCase):
         keras.mixed_precision.set_global_policy("float32")
         super().tearDown()
 
+    def test_float64_layer_computes_in_float64(self):
+        x = _random((64, 6), 30, loc=1e3, scale=0.5).astype(np.float64) + np.random.RandomState(31).rand(64, 6) * 1e-6
+        layer = BatchNormalization(dtype="float64", momentum=0.0)
+        y = layer(x, training=True)
+        self.assertEqual(y.dtype, tf.float64)
+        for weight in layer.weights:
+            self.assertEqual(keras.backend.standardize_dtype(weight.dtype), "float64", weight.name)
+        expected = testing.reference_batch_norm(x, 1.0, 0.0, (-1,), 1e-3)
+        self.assertLess(np.abs(y.numpy() - expected).max(), 1e-9)
+        np.testing.assert_allclose(layer.moving_variance, x.var(0), rtol=1e-10)
+
     @parameterized.named_parameters(
         ("float16", "mixed_float16", "float16"),
         ("bfloat16", "mixed_bfloat16", "bfloat16"),
