@@ -59,6 +59,9 @@ flags.register_multi_flags_validator(
     message="--sync_group_size groups the replicas of synchronised BN and needs --sync_batch_norm.",
 )
 
+# Every distribution flag, for the trainers' configs.
+HOLDERS = (DISTRIBUTION_STRATEGY, TPU, NUM_CPU_DEVICES, NUM_GPU_DEVICES, SYNC_BATCH_NORM, SYNC_GROUP_SIZE)
+
 
 def check_sync_group_size(sync_group_size, num_replicas):
     """Raises a ValueError naming both numbers if the group size cannot split the replicas."""

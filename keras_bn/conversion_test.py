@@ -111,7 +111,7 @@ class ConvertTest(parameterized.TestCase):
         self.assertIsInstance(net.bn, keras.layers.BatchNormalization)
 
 
-def _check_application(test, build):
+def _check_application(test, build, synchronised_step=True):
     keras.utils.set_random_seed(1)
     model = build()
     x = np.random.RandomState(1).rand(4, 32, 32, 3).astype(np.float32)
@@ -123,7 +123,8 @@ def _check_application(test, build):
     test.assertNotIn(keras.layers.BatchNormalization, _bn_classes(converted))
     np.testing.assert_allclose(converted(x, training=False), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     test.assertEqual(converted.count_params(), model.count_params())
-    _check_synchronised_step(test, model, x, 10)
+    if synchronised_step:
+        _check_synchronised_step(test, model, x, 10)
 
 
 def _check_synchronised_step(test, model, x, classes):
@@ -141,15 +142,18 @@ def _check_synchronised_step(test, model, x, classes):
 
 @pytest.mark.slow
 class ApplicationsTest(absltest.TestCase):
-    """keras.applications models (4–5 minutes each here: slow suite)."""
+    """keras.applications models (minutes each on 2 CPU cores: slow suite)."""
 
     def test_mobilenet_v2(self):
         _check_application(self, lambda: keras.applications.MobileNetV2(
             input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10, classifier_activation=None))
 
     def test_resnet50(self):
+        # A synchronised MirroredStrategy step of ResNet50 takes over 20
+        # minutes on 2 CPU cores; MobileNetV2 covers that step.
         _check_application(self, lambda: keras.applications.ResNet50(
-            input_shape=(32, 32, 3), weights=None, classes=10, classifier_activation=None))
+            input_shape=(32, 32, 3), weights=None, classes=10, classifier_activation=None),
+            synchronised_step=False)
 
 
 if __name__ == "__main__":

@@ -42,12 +42,12 @@ def _smoke(model_dir, **overrides):
 def _check_run(test, model_dir, summary, steps):
     """Asserts a finished run's steps, finite metrics, event tags, checkpoint."""
     test.assertEqual(summary["steps"], steps)
-    test.assertTrue(np.isfinite(summary["final"]["loss"]))
+    test.assertTrue(np.isfinite(summary["final"]["train_loss"]))
     tags = tensorboard_events.read_events(model_dir)
     for tag in ("train/loss", "train/learning_rate", "eval/top1", "eval/top5", "train/images_per_sec"):
         test.assertIn(tag, tags)
         test.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
-    test.assertIn("flags", tags)
+    test.assertIn("config", tags)
     test.assertIsNotNone(tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")))
     return tags
 
@@ -128,22 +128,24 @@ class TrainerTest(parameterized.TestCase):
 
     def test_uneven_global_batch_is_rejected(self):
         with self.assertRaisesRegex(ValueError, r"split evenly.*Received: batch_size=5"):
-            with flagsaver.flagsaver(num_cpu_devices=None):
-                inception_bn.train_and_evaluate(
-                    recipe=inception_recipes.RECIPES["bn_x5"], model_dir=tempfile.mkdtemp(), data_dir=None,
-                    use_fake_data=True, image_size=32, train_steps=1, batch_size=5, eval_every=1,
-                    eval_steps=1, steps_per_execution=1, jit_compile=False, target_accuracy=0.7, seed=0,
-                    strategy=_TwoReplicaStub(), sync_batch_norm=False, sync_group_size=None, flag_values={},
-                )
+            inception_bn.train_and_evaluate(_config(batch_size=5), _TwoReplicaStub())
 
     def test_group_size_not_dividing_the_replicas_is_rejected(self):
         with self.assertRaisesRegex(ValueError, r"--sync_group_size=3 must divide the number of replicas, 2,"):
-            inception_bn.train_and_evaluate(
-                recipe=inception_recipes.RECIPES["bn_x5"], model_dir=tempfile.mkdtemp(), data_dir=None,
-                use_fake_data=True, image_size=32, train_steps=1, batch_size=4, eval_every=1,
-                eval_steps=1, steps_per_execution=1, jit_compile=False, target_accuracy=0.7, seed=0,
-                strategy=_TwoReplicaStub(), sync_batch_norm=True, sync_group_size=3, flag_values={},
-            )
+            inception_bn.train_and_evaluate(_config(sync_batch_norm=True, sync_group_size=3), _TwoReplicaStub())
+
+    def test_config_records_every_flag(self):
+        config = _config(learning_rate=0.01, dropout=0.2, sync_batch_norm=True, sync_group_size=2)
+        values = inception_bn.config_values(config)
+        self.assertEqual(values["recipe.learning_rate"], 0.01)
+        self.assertEqual(values["recipe.dropout"], 0.2)
+        self.assertEqual(values["sync_group_size"], 2)
+        # Every flag the trainer reads is in the config, directly or as the
+        # recipe field it overrides.
+        in_recipe = {"learning_rate": "recipe.learning_rate", "dropout": "recipe.dropout",
+                     "weight_decay": "recipe.weight_decay", "lr_decay_steps": "recipe.decay_steps"}
+        for name in _trainer_flag_names():
+            self.assertIn(in_recipe.get(name, name), values, name)
 
     @parameterized.parameters("mirrored", "multi_worker_mirrored")
     def test_jit_compile_with_sync_batch_norm_is_refused_before_building(self, strategy):
@@ -189,6 +191,18 @@ class SlowTrainerTest(parameterized.TestCase):
             summary = json.load(f)
         _check_run(self, model_dir, summary, 4)
 
+
+
+def _config(**overrides):
+    with flagsaver.flagsaver(model_dir=tempfile.mkdtemp(), **{**SMOKE, **overrides}):
+        return inception_bn.config_from_flags()
+
+
+def _trainer_flag_names():
+    """The flags defined by the trainer and the shared flag modules."""
+    modules = ("trainers.inception_bn", "flags.run_flags", "flags.training_flags", "flags.distribution_flags")
+    by_module = flags.FLAGS.flags_by_module_dict()
+    return {flag.name for module in modules for flag in by_module.get(module, [])}
 
 
 class _TwoReplicaStub:

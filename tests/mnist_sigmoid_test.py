@@ -2,12 +2,16 @@
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
+from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
@@ -58,12 +62,19 @@ class MnistSigmoidTest(parameterized.TestCase):
             self.assertLessEqual(p15, p85)
             for layer in (1, 2, 3):
                 self.assertIn(f"pre_activation/layer_{layer}", tags)
-            self.assertIn("flags", tags)
+            self.assertIn("config", tags)
             with open(os.path.join(model_dir, name, "history.json")) as f:
                 self.assertEqual([e["step"] for e in json.load(f)["evals"]], [4, 8])
         with open(os.path.join(model_dir, "figure1.png"), "rb") as f:
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
-        self.assertEqual(summary["flags"]["learning_rate"], 0.5)
+        self.assertEqual(summary["config"]["learning_rate"], 0.5)
+        self.assertEqual(summary["config"]["sync_batch_norm"], False)
+        # Every flag of the trainer and the shared modules is recorded.
+        modules = ("trainers.mnist_sigmoid", "flags.run_flags", "flags.training_flags", "flags.distribution_flags")
+        by_module = flags.FLAGS.flags_by_module_dict()
+        names = {flag.name for module in modules for flag in by_module.get(module, [])}
+        self.assertGreater(len(names), 15)
+        self.assertLessEqual(names, set(summary["config"]))
 
     def test_resume_continues_without_repeating_or_skipping(self):
         straight = tempfile.mkdtemp()
@@ -114,6 +125,37 @@ class MnistSigmoidTest(parameterized.TestCase):
         self.assertEqual(images.dtype, np.float32)
         self.assertTrue(0.0 <= images.min() and images.max() <= 1.0)
         self.assertCountEqual(np.unique(labels), range(10))
+
+
+def _train_loss_at_500(model_dir, *extra):
+    """Runs the BN network for 500 steps on real MNIST in its own process."""
+    args = [
+        "--norm=batch_norm", "--train_steps=500", "--eval_every=500", "--probe_size=100",
+        f"--data_dir={SHARED_DATA}", f"--model_dir={model_dir}", *extra,
+    ]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-m", "trainers.mnist_sigmoid", *args], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(model_dir, "batch_norm", "history.json")) as f:
+        return json.load(f)["evals"][-1]["train_loss"]
+
+
+@pytest.mark.slow
+class MnistDistributedTest(absltest.TestCase):
+    """Two mirrored replicas with --sync_batch_norm train like one device."""
+
+    def test_synchronised_replicas_match_one_device(self):
+        if not os.path.isdir(os.path.join(SHARED_DATA, "mnist")):
+            self.skipTest(f"real MNIST not present at {os.path.normpath(SHARED_DATA)}")
+        one = _train_loss_at_500(tempfile.mkdtemp())
+        mirrored = ["--distribution_strategy=mirrored", "--num_cpu_devices=2"]
+        synced = _train_loss_at_500(tempfile.mkdtemp(), *mirrored, "--sync_batch_norm")
+        local = _train_loss_at_500(tempfile.mkdtemp(), *mirrored)
+        self.assertLess(abs(synced - one) / one, 0.01, (one, synced))
+        # Per-replica moments over 30 examples train differently.
+        self.assertGreater(abs(local - one) / one, abs(synced - one) / one, (one, synced, local))
 
 
 if __name__ == "__main__":

@@ -28,11 +28,12 @@ Real run (ImageNet prepared by TFDS under DIR; 8 GPUs; see README):
 
 Expected result of the real runs, from the paper (not reproduced here: no
 ImageNet or accelerator on this machine): BN-x5 reaches 72.2% top-1 in 14×
-fewer steps than Inception and peaks at 73.8%; BN-x30 peaks at 74.8%.
+fewer steps than Inception and peaks at 73.0%; BN-x30 peaks at 74.8% (Table 2).
 """
 
+import dataclasses
 import os
-import time
+from typing import Optional
 
 from absl import app
 from absl import flags
@@ -61,7 +62,11 @@ WEIGHT_DECAY = flags.DEFINE_float("weight_decay", None, "Override the recipe's L
 DECAY_STEPS = flags.DEFINE_integer("lr_decay_steps", None, "Override the recipe's steps per 0.94× decay.", lower_bound=1)
 STEPS_PER_EXECUTION = flags.DEFINE_integer("steps_per_execution", 1, "Train steps per compiled call.", lower_bound=1)
 MIXED_PRECISION = flags.DEFINE_bool("mixed_precision", False, "bfloat16 compute (mixed_bfloat16 policy).")
-JIT_COMPILE = flags.DEFINE_bool("jit_compile", False, "XLA-compile each replica's forward/backward.")
+JIT_COMPILE = flags.DEFINE_bool(
+    "jit_compile", False,
+    "XLA-compile each replica's forward/backward (under --distribution_strategy=tpu "
+    "XLA always compiles the whole step).",
+)
 EVAL_STEPS = flags.DEFINE_integer("eval_steps", None, "Evaluation batches (default: the whole split).", lower_bound=1)
 TARGET_ACCURACY = flags.DEFINE_float(
     "target_accuracy", 0.722, "Top-1 whose first reaching step is recorded (paper: 72.2%).",
@@ -130,28 +135,79 @@ def steps_to_target(evals, target_accuracy):
     return next((e["step"] for e in evals if e["top1"] >= target_accuracy), None)
 
 
-def train_and_evaluate(
-    *, recipe, model_dir, data_dir, use_fake_data, image_size, train_steps, batch_size,
-    eval_every, eval_steps, steps_per_execution, jit_compile, target_accuracy, seed,
-    strategy, sync_batch_norm, sync_group_size, flag_values,
-):
-    """Trains and evaluates one variant; returns its history dict.
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything one run uses: the variant's recipe (flags applied) and every flag.
 
-    The step at which top-1 first reaches `target_accuracy` is derived from
-    the evaluation records, so a resumed run never keeps one from evaluations
-    after its checkpoint.
+    Made once in `main` from the flags and logged whole (TensorBoard text
+    "config" and `summary.json`), so no flag can go unrecorded.
     """
+
+    variant: str
+    recipe: inception_recipes.Recipe
+    model_dir: str
+    data_dir: Optional[str]
+    seed: int
+    train_steps: int
+    batch_size: int
+    eval_every: int
+    eval_steps: Optional[int]
+    image_size: int
+    use_fake_data: bool
+    steps_per_execution: int
+    mixed_precision: bool
+    jit_compile: bool
+    target_accuracy: float
+    distribution_strategy: str
+    tpu: Optional[str]
+    num_cpu_devices: Optional[int]
+    num_gpu_devices: Optional[int]
+    sync_batch_norm: bool
+    sync_group_size: Optional[int]
+
+
+def config_from_flags():
+    """The `Config` of the parsed flags (called by `main` only)."""
+    holders = [
+        run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED, training_flags.TRAIN_STEPS,
+        training_flags.BATCH_SIZE, training_flags.EVAL_EVERY, VARIANT, IMAGE_SIZE, USE_FAKE_DATA,
+        STEPS_PER_EXECUTION, MIXED_PRECISION, JIT_COMPILE, EVAL_STEPS, TARGET_ACCURACY,
+        *distribution_flags.HOLDERS,
+    ]
+    # --learning_rate, --dropout, --weight_decay and --lr_decay_steps override
+    # the recipe, where they are recorded.
+    recipe = inception_recipes.resolve(
+        VARIANT.value, learning_rate=training_flags.LEARNING_RATE.value, dropout=DROPOUT.value,
+        weight_decay=WEIGHT_DECAY.value, decay_steps=DECAY_STEPS.value,
+    )
+    values = summaries.with_defaults(summaries.flag_values(holders), DEFAULTS)
+    return Config(recipe=recipe, **values)
+
+
+def train_and_evaluate(config, strategy):
+    """Trains and evaluates one variant under `strategy`; returns its history dict.
+
+    The step at which top-1 first reaches `config.target_accuracy` is derived
+    from the evaluation records, so a resumed run never keeps one from
+    evaluations after its checkpoint.
+
+    Raises:
+        ValueError: if the global batch does not split evenly over the
+            replicas, or the sync group size does not divide their number.
+    """
+    recipe, batch_size = config.recipe, config.batch_size
     replicas = strategy.num_replicas_in_sync
     if batch_size % replicas:
         raise ValueError(
             f"The global batch must split evenly over {replicas} replicas. Received: batch_size={batch_size}"
         )
-    distribution_flags.check_sync_group_size(sync_group_size, replicas)
+    distribution_flags.check_sync_group_size(config.sync_group_size, replicas)
     logging.info("Global batch %d = %d replicas × %d per replica", batch_size, replicas, batch_size // replicas)
-    keras.utils.set_random_seed(seed)
+    keras.utils.set_random_seed(config.seed)
     with strategy.scope():
         model = build_model(
-            recipe, image_size=image_size, sync_batch_norm=sync_batch_norm, sync_group_size=sync_group_size
+            recipe, image_size=config.image_size, sync_batch_norm=config.sync_batch_norm,
+            sync_group_size=config.sync_group_size,
         )
         schedule = keras.optimizers.schedules.ExponentialDecay(
             recipe.learning_rate, recipe.decay_steps, inception_recipes.DECAY_RATE, staircase=True
@@ -160,108 +216,88 @@ def train_and_evaluate(
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     run = loops.RunState(
-        model_dir, step, flag_values, max_to_keep=3, is_chief=strategy_lib.is_chief(strategy),
-        model=model, optimizer=optimizer,
+        config.model_dir, step, config_values(config), max_to_keep=3,
+        is_chief=strategy_lib.is_chief(strategy), model=model, optimizer=optimizer,
     )
     with run:
-        history, start = run.history, run.start
-
         data_kwargs = dict(
-            data_dir=data_dir, image_size=image_size, distortion=recipe.distortion,
-            thorough_shuffle=recipe.thorough_shuffle, use_fake_data=use_fake_data,
+            data_dir=config.data_dir, image_size=config.image_size, distortion=recipe.distortion,
+            thorough_shuffle=recipe.thorough_shuffle, use_fake_data=config.use_fake_data,
         )
         # A resumed run reseeds its shuffle with the step, so it does not replay
         # the examples the interrupted run already saw in the same order.
-        train_data = imagenet_data.make_dataset(split="train", batch_size=batch_size, seed=seed + start, **data_kwargs)
-        eval_data = imagenet_data.make_dataset(split="validation", batch_size=batch_size, seed=seed, **data_kwargs)
+        train_data = imagenet_data.make_dataset(
+            split="train", batch_size=batch_size, seed=config.seed + run.start, **data_kwargs
+        )
+        eval_data = imagenet_data.make_dataset(
+            split="validation", batch_size=batch_size, seed=config.seed, **data_kwargs
+        )
         iterator = iter(strategy.experimental_distribute_dataset(train_data))
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-        run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size, jit_compile)
-        evaluate = make_evaluator(strategy, model)
+        multi_step = loops.make_multi_step(
+            strategy, model, optimizer, loss_fn, batch_size,
+            config.jit_compile and config.distribution_strategy != "tpu",
+        )
+        evaluator = make_evaluator(strategy, model)
 
-        began = time.time() - history["wall_time_s"]
-        while start < train_steps:
-            target = min(start + eval_every - start % eval_every, train_steps)
-            interval_start, loss_sum, tick = start, 0.0, time.time()
-            while start < target:
-                n = min(steps_per_execution, target - start)
-                loss_sum += float(run_steps(iterator, tf.constant(n))) * n
-                start += n
-            steps_run = start - interval_start
-            images_per_sec = batch_size * steps_run / (time.time() - tick)
-            top1, top5 = evaluate(eval_data, eval_steps)
-            record = {
-                "step": start,
-                "loss": loss_sum / steps_run,
+        def evaluate(step, interval):
+            top1, top5 = evaluator(eval_data, config.eval_steps)
+            return {
+                "step": step,
+                "train_loss": interval["train_loss"],
                 "top1": float(top1),
                 "top5": float(top5),
-                "learning_rate": float(schedule(start - 1)),
-                "images_per_sec": images_per_sec,
+                "learning_rate": float(schedule(step - 1)),
+                "images_per_sec": batch_size * interval["steps"] / interval["seconds"],
             }
-            history["evals"].append(record)
-            reached = steps_to_target(history["evals"], target_accuracy)
-            with run.writer.as_default(step=start):
-                tf.summary.scalar("train/loss", record["loss"])
-                tf.summary.scalar("train/learning_rate", record["learning_rate"])
-                tf.summary.scalar("eval/top1", top1)
-                tf.summary.scalar("eval/top5", top5)
-                tf.summary.scalar("train/images_per_sec", images_per_sec)
-                if reached is not None:
-                    tf.summary.scalar("eval/steps_to_target", reached)
-            run.writer.flush()
-            run.save(start, time.time() - began)
-            logging.info("step %d/%d: loss %.4f, top-1 %.4f, top-5 %.4f, lr %.5f, %.1f images/s",
-                         start, train_steps, record["loss"], top1, top5, record["learning_rate"], images_per_sec)
-        return history
+
+        def write_summaries(record, history):
+            tf.summary.scalar("train/loss", record["train_loss"])
+            tf.summary.scalar("train/learning_rate", record["learning_rate"])
+            tf.summary.scalar("eval/top1", record["top1"])
+            tf.summary.scalar("eval/top5", record["top5"])
+            tf.summary.scalar("train/images_per_sec", record["images_per_sec"])
+            reached = steps_to_target(history["evals"], config.target_accuracy)
+            if reached is not None:
+                tf.summary.scalar("eval/steps_to_target", reached)
+
+        return loops.train_and_log(
+            run, train_steps=config.train_steps, eval_every=config.eval_every,
+            steps_per_execution=config.steps_per_execution,
+            run_steps=lambda n: multi_step(iterator, tf.constant(n)),
+            evaluate=evaluate, write_summaries=write_summaries, name=config.variant,
+        )
+
+
+def config_values(config):
+    """The config as a flat dict (recipe fields prefixed "recipe.") for logging."""
+    values = dataclasses.asdict(config)
+    recipe = values.pop("recipe")
+    values.update({f"recipe.{k}": v for k, v in recipe.items()})
+    return values
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    holders = [
-        run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED, training_flags.TRAIN_STEPS,
-        training_flags.BATCH_SIZE, training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
-        distribution_flags.DISTRIBUTION_STRATEGY, distribution_flags.TPU,
-        distribution_flags.SYNC_BATCH_NORM, distribution_flags.SYNC_GROUP_SIZE,
-        distribution_flags.NUM_CPU_DEVICES, distribution_flags.NUM_GPU_DEVICES, VARIANT,
-        IMAGE_SIZE, USE_FAKE_DATA, DROPOUT, WEIGHT_DECAY, DECAY_STEPS, STEPS_PER_EXECUTION,
-        MIXED_PRECISION, JIT_COMPILE, EVAL_STEPS, TARGET_ACCURACY,
-    ]
-    values = summaries.flag_values(holders)
-    settings = summaries.with_defaults(values, DEFAULTS)
-    recipe = inception_recipes.resolve(
-        VARIANT.value, learning_rate=training_flags.LEARNING_RATE.value, dropout=DROPOUT.value,
-        weight_decay=WEIGHT_DECAY.value, decay_steps=DECAY_STEPS.value,
-    )
-    values.update(settings)
-    values["recipe"] = str(recipe)
+    config = config_from_flags()
     # The strategy comes first: datasets and variables are created under it.
     strategy = strategy_lib.create_strategy(
-        distribution_flags.DISTRIBUTION_STRATEGY.value, distribution_flags.TPU.value,
-        distribution_flags.NUM_CPU_DEVICES.value, distribution_flags.NUM_GPU_DEVICES.value,
+        config.distribution_strategy, config.tpu, config.num_cpu_devices, config.num_gpu_devices
     )
-    if MIXED_PRECISION.value:
+    if config.mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    model_dir = run_flags.MODEL_DIR.value
-    tf.io.gfile.makedirs(model_dir)
-    history = train_and_evaluate(
-        recipe=recipe, model_dir=model_dir, data_dir=run_flags.DATA_DIR.value,
-        use_fake_data=USE_FAKE_DATA.value, image_size=IMAGE_SIZE.value,
-        train_steps=settings["train_steps"], batch_size=settings["batch_size"],
-        eval_every=settings["eval_every"], eval_steps=EVAL_STEPS.value,
-        steps_per_execution=STEPS_PER_EXECUTION.value, jit_compile=JIT_COMPILE.value,
-        target_accuracy=TARGET_ACCURACY.value, seed=run_flags.SEED.value, strategy=strategy,
-        sync_batch_norm=distribution_flags.SYNC_BATCH_NORM.value,
-        sync_group_size=distribution_flags.SYNC_GROUP_SIZE.value, flag_values=values,
-    )
+    tf.io.gfile.makedirs(config.model_dir)
+    history = train_and_evaluate(config, strategy)
     if not strategy_lib.is_chief(strategy):
         return  # Only the chief writes the run's results.
-    summaries.write_json(os.path.join(model_dir, "summary.json"), {
-        "variant": VARIANT.value, "steps": history["steps"],
-        "final": history["evals"][-1] if history["evals"] else None,
-        "best_top1": max((e["top1"] for e in history["evals"]), default=None),
-        "steps_to_target": steps_to_target(history["evals"], TARGET_ACCURACY.value),
-        "paper": inception_recipes.PAPER_RESULTS[VARIANT.value], "flags": values,
+    evals = history["evals"]
+    summaries.write_json(os.path.join(config.model_dir, "summary.json"), {
+        "variant": config.variant, "steps": history["steps"],
+        "final": evals[-1] if evals else None,
+        "best_top1": max((e["top1"] for e in evals), default=None),
+        "steps_to_target": steps_to_target(evals, config.target_accuracy),
+        "paper": inception_recipes.PAPER_RESULTS[config.variant], "config": config_values(config),
     })
 
 

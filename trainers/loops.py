@@ -1,8 +1,10 @@
-"""Training-loop pieces shared by the trainers: multi-step execution, resume."""
+"""The training loop shared by the trainers: multi-step execution, evaluation,
+logging, checkpoints and resume, with only the chief writing."""
 
 import os
 import shutil
 import tempfile
+import time
 
 from absl import logging
 import tensorflow as tf
@@ -49,13 +51,66 @@ def make_multi_step(strategy, model, optimizer, loss_fn, global_batch, jit_compi
     return run
 
 
+def train_and_log(run, *, train_steps, eval_every, steps_per_execution, run_steps, evaluate, write_summaries, name):
+    """Trains from `run.start` to `train_steps`, evaluating every `eval_every` steps.
+
+    The one loop of both trainers. Steps run in compiled chunks of at most
+    `steps_per_execution` (`None`: a whole evaluation interval per call).
+    After each interval, which ends at the next multiple of `eval_every` (or
+    at `train_steps`), the trainer's `evaluate(step, interval)` returns the
+    record to keep (`interval` holds the interval's mean "train_loss", its
+    "steps" and "seconds"), the record joins `run.history["evals"]`,
+    `write_summaries(record, history)` logs it inside `run.writer` at that
+    step (a no-op writer off the chief), and `run.save` checkpoints and
+    writes the history (the history on the chief only).
+
+    Args:
+        run: the `RunState`.
+        train_steps: the step to train to.
+        eval_every: steps between evaluations.
+        steps_per_execution: steps per compiled call, or `None`.
+        run_steps: `run_steps(n) -> mean loss` runs n steps.
+        evaluate: `evaluate(step, interval) -> dict`, the trainer's record.
+        write_summaries: `write_summaries(record, history)`.
+        name: the run's name in log lines.
+
+    Returns:
+        `run.history`.
+    """
+    history, step = run.history, run.start
+    began = time.time() - history["wall_time_s"]
+    while step < train_steps:
+        target = min(step - step % eval_every + eval_every, train_steps)
+        interval_start, loss_sum, tick = step, 0.0, time.time()
+        while step < target:
+            n = min(steps_per_execution or target - step, target - step)
+            loss_sum += float(run_steps(n)) * n
+            step += n
+        interval = {
+            "train_loss": loss_sum / (step - interval_start),
+            "steps": step - interval_start,
+            "seconds": time.time() - tick,
+        }
+        record = evaluate(step, interval)
+        history["evals"].append(record)
+        with run.writer.as_default(step=step):
+            write_summaries(record, history)
+        run.writer.flush()
+        run.save(step, time.time() - began)
+        logging.info(
+            "%s step %d/%d: %s", name, step, train_steps,
+            ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step" and isinstance(v, float)),
+        )
+    return history
+
+
 class RunState:
     """A run's checkpoint, history file and TensorBoard writer, resumable.
 
     On creation it restores the latest checkpoint under `run_dir` (if any)
     and the history logged up to it, dropping evaluation records after the
-    checkpoint's step (they are redone after resuming), and logs the flags
-    for a fresh run. `save` checkpoints and rewrites the history together, so
+    checkpoint's step (they are redone after resuming), and logs the run's
+    configuration (a dict) for a fresh run. `save` checkpoints and rewrites the history together, so
     the two always agree.
 
     Only the chief writes (see `strategy.is_chief`). In a multi-worker run
@@ -74,7 +129,7 @@ class RunState:
         is_chief: whether this process writes.
     """
 
-    def __init__(self, run_dir, step, flag_values, max_to_keep, is_chief=True, **trackables):
+    def __init__(self, run_dir, step, config_values, max_to_keep, is_chief=True, **trackables):
         self.is_chief = is_chief
         self._step = step
         self._checkpoint = tf.train.Checkpoint(step=step, **trackables)
@@ -97,7 +152,7 @@ class RunState:
         if is_chief:
             self.writer = tf.summary.create_file_writer(run_dir)
             if self.start == 0:
-                summaries.write_flags(self.writer, flag_values)
+                summaries.write_config(self.writer, config_values)
         else:
             self.writer = tf.summary.create_noop_writer()
 

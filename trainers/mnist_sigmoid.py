@@ -24,8 +24,9 @@ percentiles stay stable while the baseline's drift, as in the paper's
 Figure 1. Both runs together take about 1.5 minutes on 2 CPU cores.
 """
 
+import dataclasses
 import os
-import time
+from typing import Optional
 
 from absl import app
 from absl import flags
@@ -95,68 +96,118 @@ def build_model(norm, init_std, seed, sync_batch_norm=False, sync_group_size=Non
     return model, keras.Model(inputs, pre_activations, name="probe")
 
 
-def train_and_evaluate(
-    *, norm, train, test, run_dir, train_steps, batch_size, learning_rate,
-    init_std, seed, eval_every, probe_size, strategy, flag_values,
-    sync_batch_norm=False, sync_group_size=None,
-):
-    """Trains one network, logging and checkpointing every `eval_every` steps.
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything one invocation runs with: every flag, trainer defaults applied.
 
-    Resumes from the last checkpoint in `run_dir`. Returns the run's history:
-    a dict with "evals" (one record per evaluation), "steps" and "wall_time_s".
+    Made once in `main` from the flags and logged whole (TensorBoard text
+    "config" of each run, and `summary.json`), so no flag can go unrecorded.
     """
-    distribution_flags.check_sync_group_size(sync_group_size, strategy.num_replicas_in_sync)
-    keras.utils.set_random_seed(seed)
+
+    model_dir: str
+    data_dir: Optional[str]
+    seed: int
+    train_steps: int
+    batch_size: int
+    learning_rate: float
+    eval_every: int
+    norm: str
+    init_std: float
+    probe_size: int
+    train_subset: Optional[int]
+    distribution_strategy: str
+    tpu: Optional[str]
+    num_cpu_devices: Optional[int]
+    num_gpu_devices: Optional[int]
+    sync_batch_norm: bool
+    sync_group_size: Optional[int]
+
+    @property
+    def networks(self):
+        """The networks to train, as `norm` values."""
+        return ["none", "batch_norm"] if self.norm == "both" else [self.norm]
+
+
+def config_from_flags():
+    """The `Config` of the parsed flags (called by `main` only)."""
+    holders = [
+        run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED, training_flags.TRAIN_STEPS,
+        training_flags.BATCH_SIZE, training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
+        NORM, INIT_STD, PROBE_SIZE, TRAIN_SUBSET, *distribution_flags.HOLDERS,
+    ]
+    return Config(**summaries.with_defaults(summaries.flag_values(holders), DEFAULTS))
+
+
+def train_and_evaluate(config, strategy, norm, train, test):
+    """Trains one network (`norm`: "none" or "batch_norm") under `strategy`.
+
+    Logs and checkpoints every `config.eval_every` steps into
+    `config.model_dir/<run name>` and resumes from the last checkpoint there.
+    Returns the run's history: a dict with "evals" (one record per
+    evaluation), "steps" and "wall_time_s".
+
+    Raises:
+        ValueError: if the global batch does not split evenly over the
+            replicas, or the sync group size does not divide their number.
+    """
+    replicas = strategy.num_replicas_in_sync
+    if config.batch_size % replicas:
+        raise ValueError(
+            f"The global batch must split evenly over {replicas} replicas. "
+            f"Received: batch_size={config.batch_size}"
+        )
+    distribution_flags.check_sync_group_size(config.sync_group_size, replicas)
+    keras.utils.set_random_seed(config.seed)
     with strategy.scope():
-        model, probe = build_model(norm, init_std, seed, sync_batch_norm, sync_group_size)
-        optimizer = keras.optimizers.SGD(learning_rate)
+        model, probe = build_model(
+            norm, config.init_std, config.seed, config.sync_batch_norm, config.sync_group_size
+        )
+        optimizer = keras.optimizers.SGD(config.learning_rate)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    run_dir = summaries.run_dir(config.model_dir, RUN_NAMES[norm])
     run = loops.RunState(
-        run_dir, step, flag_values, max_to_keep=2, is_chief=strategy_lib.is_chief(strategy),
-        model=model, optimizer=optimizer,
+        run_dir, step, dataclasses.asdict(config), max_to_keep=2,
+        is_chief=strategy_lib.is_chief(strategy), model=model, optimizer=optimizer,
     )
     with run:
-        history, start = run.history, run.start
-        if start >= train_steps:
-            return history
-
         images, labels = train
-        dataset = mnist_data.make_dataset(images, labels, batch_size, seed, start, train_steps)
+        dataset = mnist_data.make_dataset(
+            images, labels, config.batch_size, config.seed, run.start, config.train_steps
+        )
         iterator = iter(strategy.experimental_distribute_dataset(dataset))
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-        run_steps = loops.make_multi_step(strategy, model, optimizer, loss_fn, batch_size)
+        multi_step = loops.make_multi_step(strategy, model, optimizer, loss_fn, config.batch_size)
         test_images, test_labels = tf.constant(test[0]), test[1]
-        probe_images = tf.constant(test[0][:probe_size])
-        evaluate = tf.function(lambda x: model(x, training=False))
+        probe_images = tf.constant(test[0][: config.probe_size])
+        predict = tf.function(lambda x: model(x, training=False))
         pre_activations = tf.function(lambda x: probe(x, training=False))
+        latest_probes = {}  # Histogram values of the last evaluation (not kept in the history).
 
-        began = time.time() - history["wall_time_s"]
-        while start < train_steps:
-            n = min(eval_every - start % eval_every, train_steps - start)
-            train_loss = float(run_steps(iterator, tf.constant(n)))
-            start += n
-            accuracy = float(np.mean(np.argmax(evaluate(test_images), -1) == test_labels))
+        def evaluate(step, interval):
+            accuracy = float(np.mean(np.argmax(predict(test_images), -1) == test_labels))
             probes = [p.numpy() for p in pre_activations(probe_images)]
             quantiles = np.percentile(probes[-1][:, PROBE_UNIT], PERCENTILES)
-            record = {"step": start, "test_accuracy": accuracy, "train_loss": train_loss}
+            record = {"step": step, "test_accuracy": accuracy, "train_loss": interval["train_loss"]}
             record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
-            history["evals"].append(record)
-            with run.writer.as_default(step=start):
-                tf.summary.scalar("train/loss", train_loss)
-                tf.summary.scalar("train/learning_rate", learning_rate)
-                tf.summary.scalar("eval/test_accuracy", accuracy)
-                for q, v in zip(PERCENTILES, quantiles):
-                    tf.summary.scalar(f"sigmoid_input/p{q}", v)
-                for i, values in enumerate(probes, start=1):
-                    tf.summary.histogram(f"pre_activation/layer_{i}", values)
-            run.writer.flush()
-            run.save(start, time.time() - began)
-            logging.info(
-                "%s step %d/%d: loss %.4f, test accuracy %.4f, sigmoid input p15/50/85 %.3f/%.3f/%.3f",
-                RUN_NAMES[norm], start, train_steps, train_loss, accuracy, *quantiles,
-            )
-        return history
+            latest_probes["layers"] = probes
+            return record
+
+        def write_summaries(record, history):
+            del history  # MNIST logs each evaluation on its own.
+            tf.summary.scalar("train/loss", record["train_loss"])
+            tf.summary.scalar("train/learning_rate", config.learning_rate)
+            tf.summary.scalar("eval/test_accuracy", record["test_accuracy"])
+            for q in PERCENTILES:
+                tf.summary.scalar(f"sigmoid_input/p{q}", record[f"p{q}"])
+            for i, values in enumerate(latest_probes["layers"], start=1):
+                tf.summary.histogram(f"pre_activation/layer_{i}", values)
+
+        return loops.train_and_log(
+            run, train_steps=config.train_steps, eval_every=config.eval_every,
+            steps_per_execution=None, run_steps=lambda n: multi_step(iterator, tf.constant(n)),
+            evaluate=evaluate, write_summaries=write_summaries, name=RUN_NAMES[norm],
+        )
 
 
 def plot_figure(histories, path):
@@ -205,44 +256,24 @@ def summarize(histories):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    model_dir = run_flags.MODEL_DIR.value
-    values = summaries.flag_values([
-        run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED,
-        training_flags.TRAIN_STEPS, training_flags.BATCH_SIZE,
-        training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
-        distribution_flags.DISTRIBUTION_STRATEGY, distribution_flags.TPU,
-        distribution_flags.NUM_CPU_DEVICES, distribution_flags.NUM_GPU_DEVICES, distribution_flags.SYNC_BATCH_NORM,
-        distribution_flags.SYNC_GROUP_SIZE, NORM, INIT_STD, PROBE_SIZE, TRAIN_SUBSET,
-    ])
-    settings = summaries.with_defaults(values, DEFAULTS)
-    values.update(settings)
+    config = config_from_flags()
+    # The strategy comes first: datasets and variables are created under it.
     strategy = strategy_lib.create_strategy(
-        distribution_flags.DISTRIBUTION_STRATEGY.value,
-        distribution_flags.TPU.value,
-        distribution_flags.NUM_CPU_DEVICES.value, distribution_flags.NUM_GPU_DEVICES.value,
+        config.distribution_strategy, config.tpu, config.num_cpu_devices, config.num_gpu_devices
     )
-    train = mnist_data.load_mnist(run_flags.DATA_DIR.value, "train")
-    test = mnist_data.load_mnist(run_flags.DATA_DIR.value, "test")
-    if TRAIN_SUBSET.value:
-        train = (train[0][: TRAIN_SUBSET.value], train[1][: TRAIN_SUBSET.value])
-    norms = ["none", "batch_norm"] if NORM.value == "both" else [NORM.value]
-    histories = {}
-    for norm in norms:
-        histories[RUN_NAMES[norm]] = train_and_evaluate(
-            norm=norm, train=train, test=test,
-            run_dir=summaries.run_dir(model_dir, RUN_NAMES[norm]),
-            train_steps=settings["train_steps"], batch_size=settings["batch_size"],
-            learning_rate=settings["learning_rate"], init_std=INIT_STD.value,
-            seed=run_flags.SEED.value, eval_every=settings["eval_every"],
-            probe_size=PROBE_SIZE.value, strategy=strategy, flag_values=values,
-            sync_batch_norm=distribution_flags.SYNC_BATCH_NORM.value,
-            sync_group_size=distribution_flags.SYNC_GROUP_SIZE.value,
-        )
+    train = mnist_data.load_mnist(config.data_dir, "train")
+    test = mnist_data.load_mnist(config.data_dir, "test")
+    if config.train_subset:
+        train = (train[0][: config.train_subset], train[1][: config.train_subset])
+    histories = {
+        RUN_NAMES[norm]: train_and_evaluate(config, strategy, norm, train, test)
+        for norm in config.networks
+    }
     if not strategy_lib.is_chief(strategy):
         return  # Only the chief writes the run's results.
-    plot_figure(histories, os.path.join(model_dir, "figure1.png"))
-    summary = {"runs": summarize(histories), "flags": values}
-    summaries.write_json(os.path.join(model_dir, "summary.json"), summary)
+    plot_figure(histories, os.path.join(config.model_dir, "figure1.png"))
+    summary = {"runs": summarize(histories), "config": dataclasses.asdict(config)}
+    summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
     logging.info("Summary: %s", summary["runs"])
 
 

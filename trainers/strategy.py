@@ -23,8 +23,7 @@ def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
     Raises:
         ValueError: for an unknown name or "tpu" without `tpu`.
     """
-    if num_cpu_devices:
-        devices.split_device("CPU", num_cpu_devices)
+    cpus = devices.split_device("CPU", num_cpu_devices)[:num_cpu_devices] if num_cpu_devices else None
     if num_gpu_devices:
         devices.split_device("GPU", num_gpu_devices)
     if name == "off":
@@ -33,10 +32,8 @@ def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
         gpus = tf.config.list_logical_devices("GPU")
         return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
     if name == "mirrored":
-        if num_cpu_devices and not tf.config.list_logical_devices("GPU"):
-            return tf.distribute.MirroredStrategy(
-                [d.name for d in tf.config.list_logical_devices("CPU")]
-            )
+        if cpus and not tf.config.list_logical_devices("GPU"):
+            return tf.distribute.MirroredStrategy(cpus)
         return tf.distribute.MirroredStrategy()
     if name == "multi_worker_mirrored":
         return tf.distribute.MultiWorkerMirroredStrategy()

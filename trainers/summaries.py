@@ -6,12 +6,12 @@ import os
 import tensorflow as tf
 
 
-def write_flags(writer, flag_values):
-    """Logs the run's flags as a Markdown table under the text tag 'flags'."""
-    rows = ["| flag | value |", "|---|---|"]
-    rows += [f"| {name} | {value} |" for name, value in sorted(flag_values.items())]
+def write_config(writer, config_values):
+    """Logs the run's whole configuration as a Markdown table, text tag 'config'."""
+    rows = ["| setting | value |", "|---|---|"]
+    rows += [f"| {name} | {value} |" for name, value in sorted(config_values.items())]
     with writer.as_default():
-        tf.summary.text("flags", "\n".join(rows), step=0)
+        tf.summary.text("config", "\n".join(rows), step=0)
     writer.flush()
 
 
@@ -36,8 +36,8 @@ def flag_values(flag_holders):
 
 
 def with_defaults(values, defaults):
-    """Each key of `defaults` from `values`, or its default where that is None."""
-    return {k: values[k] if values[k] is not None else d for k, d in defaults.items()}
+    """`values` with each key of `defaults` set to its default where it is None."""
+    return {k: defaults[k] if v is None and k in defaults else v for k, v in values.items()}
 
 
 def run_dir(model_dir, name):
