@@ -6,7 +6,7 @@ flags override it. SGD with momentum 0.9 and exponential learning-rate decay;
 --batch_size is the GLOBAL batch per step (the paper's 32), split evenly over
 the replicas of --distribution_strategy. Evaluates single-crop top-1/top-5
 every --eval_every steps, logs loss, learning rate, top-1, top-5, images/sec,
-the flags, and the step at which top-1 first reaches --target_accuracy
+the whole configuration, and the step at which top-1 first reaches --target_accuracy
 (the paper's Table 2 metric) to TensorBoard under --model_dir, and
 checkpoints; a restarted run continues at its checkpointed step.
 
