@@ -46,12 +46,10 @@ PAYLOAD_CHANNELS = 256
 def payload_lines(replica_counts=PAYLOAD_REPLICAS, channels=PAYLOAD_CHANNELS):
     """One line per (R, K) case with the counted collectives and floats."""
     import numpy as np
-    import tensorflow as tf
 
     import keras_bn
-    from keras_bn import moments
 
-    x = tf.constant(np.random.RandomState(0).randn(8, 4, 4, channels).astype(np.float32))
+    x = np.random.RandomState(0).randn(8, 4, 4, channels).astype(np.float32)
     lines = []
     for replicas in replica_counts:
         for group in sorted({replicas, 8, 2}, reverse=True):
@@ -60,14 +58,7 @@ def payload_lines(replica_counts=PAYLOAD_REPLICAS, channels=PAYLOAD_CHANNELS):
             layer = keras_bn.BatchNormalization(
                 synchronized=True, sync_group_size=None if group == replicas else group
             )
-            context = testing.CountingReplicaContext(replicas)
-            with moments.use_replica_context(context):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    y = layer(x, training=True)
-                forward = list(context.floats)
-                tape.gradient(y, x)
-            backward = context.floats[len(forward):]
+            forward, backward = testing.count_all_reduces(layer, x, replicas)
             lines.append(
                 f"payload replicas={replicas} group={group} channels={channels} "
                 f"forward_collectives={len(forward)} forward_floats={sum(forward)} "

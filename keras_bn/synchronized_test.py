@@ -345,15 +345,9 @@ class PayloadTest(parameterized.TestCase):
         channels = 6
         layer = BatchNormalization(synchronized=True, sync_group_size=group_size)
         x = tf.constant(_data((4, 3, 3, channels), 14)[0])
-        context = testing.CountingReplicaContext(replicas)
-        with moments.use_replica_context(context):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = layer(x, training=True)
-            forward_floats = list(context.floats)
-            tape.gradient(y, x)
+        forward_floats, backward_floats = testing.count_all_reduces(layer, x, replicas)
         self.assertEqual(forward_floats, forward(channels))
-        self.assertEqual(context.floats[len(forward_floats):], backward(channels))
+        self.assertEqual(backward_floats, backward(channels))
         if group_size is None:
             self.assertLessEqual(sum(forward_floats), 4 * channels + 4)
         else:

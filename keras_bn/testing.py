@@ -62,3 +62,27 @@ class CountingReplicaContext:
             size *= int(dim)
         self.floats.append(size)
         return value
+
+
+def count_all_reduces(layer, x, num_replicas):
+    """Counts one training call's all-reduce floats, forward and backward.
+
+    Runs `layer(x, training=True)` and the gradient with respect to `x` under
+    a `CountingReplicaContext` playing replica 0 of `num_replicas`.
+
+    Returns:
+        `(forward, backward)`: the element counts of each all-reduce.
+    """
+    import tensorflow as tf  # The synchronised path is TensorFlow's.
+
+    from keras_bn import moments
+
+    x = tf.convert_to_tensor(x)
+    context = CountingReplicaContext(num_replicas)
+    with moments.use_replica_context(context):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        forward = list(context.floats)
+        tape.gradient(y, x)
+    return forward, context.floats[len(forward):]

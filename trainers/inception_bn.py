@@ -136,7 +136,7 @@ def steps_to_target(evals, target_accuracy):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(strategy_lib.DistributionConfig):
     """Everything one run uses: the variant's recipe (flags applied) and every flag.
 
     Made once in `main` from the flags and logged whole (TensorBoard text
@@ -158,12 +158,6 @@ class Config:
     mixed_precision: bool
     jit_compile: bool
     target_accuracy: float
-    distribution_strategy: str
-    tpu: Optional[str]
-    num_cpu_devices: Optional[int]
-    num_gpu_devices: Optional[int]
-    sync_batch_norm: bool
-    sync_group_size: Optional[int]
 
 
 def config_from_flags():
@@ -282,9 +276,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     config = config_from_flags()
     # The strategy comes first: datasets and variables are created under it.
-    strategy = strategy_lib.create_strategy(
-        config.distribution_strategy, config.tpu, config.num_cpu_devices, config.num_gpu_devices
-    )
+    strategy = config.create_strategy()
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     tf.io.gfile.makedirs(config.model_dir)

@@ -98,7 +98,7 @@ def build_model(norm, init_std, seed, sync_batch_norm=False, sync_group_size=Non
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(strategy_lib.DistributionConfig):
     """Everything one invocation runs with: every flag, trainer defaults applied.
 
     Made once in `main` from the flags and logged whole (TensorBoard text
@@ -116,12 +116,6 @@ class Config:
     init_std: float
     probe_size: int
     train_subset: Optional[int]
-    distribution_strategy: str
-    tpu: Optional[str]
-    num_cpu_devices: Optional[int]
-    num_gpu_devices: Optional[int]
-    sync_batch_norm: bool
-    sync_group_size: Optional[int]
 
     @property
     def networks(self):
@@ -259,9 +253,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     config = config_from_flags()
     # The strategy comes first: datasets and variables are created under it.
-    strategy = strategy_lib.create_strategy(
-        config.distribution_strategy, config.tpu, config.num_cpu_devices, config.num_gpu_devices
-    )
+    strategy = config.create_strategy()
     train = mnist_data.load_mnist(config.data_dir, "train")
     test = mnist_data.load_mnist(config.data_dir, "test")
     if config.train_subset:

@@ -1,8 +1,32 @@
 """Creating a tf.distribute strategy from a name (see distribution_flags)."""
 
+import dataclasses
+from typing import Optional
+
 import tensorflow as tf
 
 from keras_bn import devices
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributionConfig:
+    """The distribution settings of a run (flags/distribution_flags.py).
+
+    The trainers' configs extend it, so every trainer carries and logs them.
+    """
+
+    distribution_strategy: str
+    tpu: Optional[str]
+    num_cpu_devices: Optional[int]
+    num_gpu_devices: Optional[int]
+    sync_batch_norm: bool
+    sync_group_size: Optional[int]
+
+    def create_strategy(self):
+        """The strategy these settings name (see `create_strategy`)."""
+        return create_strategy(
+            self.distribution_strategy, self.tpu, self.num_cpu_devices, self.num_gpu_devices
+        )
 
 
 def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
