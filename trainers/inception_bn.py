@@ -42,6 +42,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_bn import distribution
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
@@ -211,7 +212,7 @@ def train_and_evaluate(config, strategy):
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     run = loops.RunState(
         config.model_dir, step, config_values(config), max_to_keep=3,
-        is_chief=strategy_lib.is_chief(strategy), model=model, optimizer=optimizer,
+        is_chief=distribution.is_chief(strategy), model=model, optimizer=optimizer,
     )
     with run:
         data_kwargs = dict(
@@ -281,7 +282,7 @@ def main(argv):
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     tf.io.gfile.makedirs(config.model_dir)
     history = train_and_evaluate(config, strategy)
-    if not strategy_lib.is_chief(strategy):
+    if not distribution.is_chief(strategy):
         return  # Only the chief writes the run's results.
     evals = history["evals"]
     summaries.write_json(os.path.join(config.model_dir, "summary.json"), {

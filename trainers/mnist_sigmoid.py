@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_bn
+from keras_bn import distribution
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
@@ -163,7 +164,7 @@ def train_and_evaluate(config, strategy, norm, train, test):
     run_dir = summaries.run_dir(config.model_dir, RUN_NAMES[norm])
     run = loops.RunState(
         run_dir, step, dataclasses.asdict(config), max_to_keep=2,
-        is_chief=strategy_lib.is_chief(strategy), model=model, optimizer=optimizer,
+        is_chief=distribution.is_chief(strategy), model=model, optimizer=optimizer,
     )
     with run:
         images, labels = train
@@ -262,7 +263,7 @@ def main(argv):
         RUN_NAMES[norm]: train_and_evaluate(config, strategy, norm, train, test)
         for norm in config.networks
     }
-    if not strategy_lib.is_chief(strategy):
+    if not distribution.is_chief(strategy):
         return  # Only the chief writes the run's results.
     plot_figure(histories, os.path.join(config.model_dir, "figure1.png"))
     summary = {"runs": summarize(histories), "config": dataclasses.asdict(config)}

@@ -75,18 +75,3 @@ def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
         f"mirrored, multi_worker_mirrored, tpu. Received: name={name!r}"
     )
 
-
-def is_chief(strategy):
-    """Whether this process writes the run's files (events, results, checkpoints).
-
-    Only multi-worker strategies have more than one process: there the chief
-    is the "chief" task, or worker 0 when the cluster has no chief (TF_CONFIG
-    conventions). Every other strategy runs in one process, which writes.
-    """
-    resolver = strategy.cluster_resolver
-    if resolver is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return True
-    task_type, task_id = resolver.task_type, resolver.task_id
-    if task_type in (None, "chief"):
-        return True
-    return task_type == "worker" and task_id == 0 and "chief" not in resolver.cluster_spec().as_dict()

@@ -1,0 +1,194 @@
+"""`keras_bn.BatchNormMonitor`: BN's own health in TensorBoard."""
+
+import keras
+import numpy as np
+
+from keras_bn import distribution
+from keras_bn import population
+
+
+class BatchNormMonitor(keras.callbacks.Callback):
+    """A Keras callback logging every keras_bn layer's health to TensorBoard.
+
+    The most common production failure of batch normalisation is silent: the
+    moving statistics used at inference drift away from what training sees
+    (stale statistics, a changed input pipeline, a layer left in the wrong
+    mode), and results just get worse. Every `every_n_steps` training batches
+    the monitor runs the model in inference mode on a fixed `probe_data`
+    batch, takes each keras_bn layer's input there, and logs:
+
+    - `<layer>/train_inference_gap`: RMS(y_train − y_infer) / std(y_train),
+      where y_train normalises the layer's input with its own batch
+      statistics (training mode) and y_infer with the moving statistics
+      (inference mode), both with the layer's γ, β and ε; 0 when the moving
+      statistics match the probe batch, about 1 when they are unrelated.
+    - `<layer>/mean_drift`: RMS over features of (μ_B − moving_mean) / σ_B.
+    - `<layer>/variance_drift`: RMS over features of
+      ln((moving_variance + ε) / (σ²_B + ε)).
+    - histograms `<layer>/moving_mean`, `<layer>/moving_variance`,
+      `<layer>/gamma`, `<layer>/beta`.
+
+    Here μ_B, σ²_B are the probe batch's statistics of the layer's input
+    (σ_B = √(σ²_B + ε)). Nothing in the model changes: the statistics are
+    computed by the monitor, not by calling the layers in training mode.
+
+    With `group_by` (a function from a layer name to a group name, for
+    networks with many BN layers) it logs aggregates instead:
+    `batch_norm/worst_train_inference_gap`, `batch_norm/median_train_inference_gap`,
+    `<group>/worst_train_inference_gap`, and the histograms per group
+    (`<group>/moving_mean`, ...), the group's layers concatenated.
+
+    Under a `tf.distribute` strategy only the chief writes. Trainers with
+    their own loop call `write_summaries(model, step)` inside their own
+    writer instead of using the callback hooks.
+
+    Args:
+        log_dir: directory for the callback's TensorBoard event file (`None`
+            to use only `write_summaries` with a caller's writer).
+        probe_data: a batch of model inputs (array, tensor or structure),
+            fixed for the run so the curves compare like with like.
+        every_n_steps: int >= 1, default 100. Training batches between logs.
+        group_by: `None` (per-layer summaries) or a function from a layer
+            name to its group's name (aggregates).
+
+    Raises:
+        ValueError: for a bad `every_n_steps`, and at the first log for a
+            model without keras_bn layers or whose layers' inputs cannot be
+            reached from its inputs (not Sequential/functional).
+    """
+
+    def __init__(self, log_dir, probe_data, every_n_steps=100, group_by=None):
+        super().__init__()
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(
+                f"Expected `every_n_steps` to be a positive int. Received: every_n_steps={every_n_steps!r}"
+            )
+        self.log_dir = log_dir
+        self.probe_data = probe_data
+        self.every_n_steps = every_n_steps
+        self.group_by = group_by
+        self._steps = 0
+        self._writer = None
+        self._probe_model = None
+        self._probe_for = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        if self._steps % self.every_n_steps == 0:
+            self._log(self._steps)
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _log(self, step):
+        import tensorflow as tf  # TensorBoard summaries are written with tf.summary.
+
+        if not distribution.is_chief():
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        with self._writer.as_default(step=step):
+            self.write_summaries(self.model, step)
+
+    def health(self, model):
+        """Each keras_bn layer's gap and drifts on the probe batch.
+
+        Returns:
+            A list of `(layer, {"train_inference_gap", "mean_drift",
+            "variance_drift"})`, in the model's layer order.
+        """
+        layers = population.batch_norm_layers(model)
+        if not layers:
+            raise ValueError(f"The model has no keras_bn.BatchNormalization layer. Received: model={model.name}")
+        inputs = self._layer_inputs(model, layers)
+        return [(layer, _layer_health(layer, x)) for layer, x in zip(layers, inputs)]
+
+    def write_summaries(self, model, step):
+        """Writes the summaries of `model` at `step` with the default tf.summary writer."""
+        import tensorflow as tf
+
+        results = self.health(model)
+        if self.group_by is None:
+            for layer, metrics in results:
+                for name, value in metrics.items():
+                    tf.summary.scalar(f"{layer.name}/{name}", value, step=step, description=_DESCRIPTIONS[name])
+                for name, values in _weights(layer).items():
+                    tf.summary.histogram(f"{layer.name}/{name}", values, step=step)
+            return
+        gaps = np.array([metrics["train_inference_gap"] for _, metrics in results])
+        tf.summary.scalar("batch_norm/worst_train_inference_gap", gaps.max(), step=step,
+                          description="Largest train/inference gap over all BN layers. " + _DESCRIPTIONS["train_inference_gap"])
+        tf.summary.scalar("batch_norm/median_train_inference_gap", float(np.median(gaps)), step=step,
+                          description="Median train/inference gap over all BN layers.")
+        groups = {}
+        for layer, metrics in results:
+            groups.setdefault(self.group_by(layer.name), []).append((layer, metrics))
+        for group, members in groups.items():
+            tf.summary.scalar(f"{group}/worst_train_inference_gap",
+                              max(m["train_inference_gap"] for _, m in members), step=step,
+                              description=f"Largest train/inference gap of the BN layers of {group}.")
+            stacked = {}
+            for layer, _ in members:
+                for name, values in _weights(layer).items():
+                    stacked.setdefault(name, []).append(values.ravel())
+            for name, values in stacked.items():
+                tf.summary.histogram(f"{group}/{name}", np.concatenate(values), step=step)
+
+    def _layer_inputs(self, model, layers):
+        """Each layer's input on the probe batch, in inference mode."""
+        if self._probe_for is not model:
+            try:
+                inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+                self._probe_model = keras.Model(inputs, [layer.input for layer in layers])
+            except (AttributeError, ValueError) as error:
+                raise ValueError(
+                    "BatchNormMonitor reads each keras_bn layer's input through the model's "
+                    "graph, which needs a Sequential or functional model whose keras_bn layers "
+                    f"are called once. Received: model={type(model).__name__} ({error})"
+                ) from error
+            self._probe_for = model
+        outputs = self._probe_model(self.probe_data, training=False)
+        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        return [keras.ops.convert_to_numpy(x).astype(np.float64) for x in outputs]
+
+
+_DESCRIPTIONS = {
+    "train_inference_gap": (
+        "RMS of (training-mode output − inference-mode output) over the fixed probe batch, in units "
+        "of the training-mode output's standard deviation: 0 when the moving statistics match the "
+        "batch, about 1 when they are unrelated."
+    ),
+    "mean_drift": "RMS over features of (batch mean − moving mean) / batch std on the probe batch.",
+    "variance_drift": "RMS over features of ln((moving variance + ε) / (batch variance + ε)) on the probe batch.",
+}
+
+
+def _weights(layer):
+    out = {
+        "moving_mean": layer.moving_mean,
+        "moving_variance": layer.moving_variance,
+        "gamma": layer.gamma,
+        "beta": layer.beta,
+    }
+    return {k: np.asarray(keras.ops.convert_to_numpy(v)) for k, v in out.items() if v is not None}
+
+
+def _layer_health(layer, x):
+    axes = tuple(i for i in range(x.ndim) if i not in layer.feature_axes)
+    shape = [x.shape[i] if i in layer.feature_axes else 1 for i in range(x.ndim)]
+    weights = {k: v.reshape(shape).astype(np.float64) for k, v in _weights(layer).items()}
+    gamma, beta = weights.get("gamma", 1.0), weights.get("beta", 0.0)
+    mean, variance = x.mean(axes, keepdims=True), x.var(axes, keepdims=True)
+    eps = layer.epsilon
+    y_train = gamma * (x - mean) / np.sqrt(variance + eps) + beta
+    y_infer = gamma * (x - weights["moving_mean"]) / np.sqrt(weights["moving_variance"] + eps) + beta
+    spread = y_train.std()
+    gap = np.sqrt(np.mean((y_train - y_infer) ** 2)) / spread if spread > 0 else 0.0
+    mean_drift = np.sqrt(np.mean(((mean - weights["moving_mean"]) / np.sqrt(variance + eps)) ** 2))
+    variance_drift = np.sqrt(np.mean(np.log((weights["moving_variance"] + eps) / (variance + eps)) ** 2))
+    return {
+        "train_inference_gap": float(gap),
+        "mean_drift": float(mean_drift),
+        "variance_drift": float(variance_drift),
+    }
