@@ -45,11 +45,10 @@ class MonitorTest(parameterized.TestCase):
                 self.assertTrue(all(np.isfinite(v) and v >= 0 for _, v in tags[f"{layer}/{name}"]))
             for name in ("moving_mean", "moving_variance", "gamma", "beta"):
                 self.assertLen(tags[f"{layer}/{name}"], 4, (layer, name))
-        # Momentum 0.99 after 8 steps: bn_a's statistics are still stale
-        # (inputs have mean ≈ 5·w), bn_b's (momentum 0.5) much less so.
-        gap_a, gap_b = tags["bn_a/train_inference_gap"][-1][1], tags["bn_b/train_inference_gap"][-1][1]
-        self.assertGreater(gap_a, 0.5)
-        self.assertLess(gap_b, gap_a)
+        # The last log saw the final state: it equals a fresh health check.
+        for layer, metrics in monitor.health(model):
+            for name, value in metrics.items():
+                self.assertAlmostEqual(tags[f"{layer.name}/{name}"][-1][1], value, places=4)
 
     def test_gap_and_drifts_match_numpy(self):
         x, _ = _data(32, 1)

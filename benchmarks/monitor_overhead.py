@@ -1,0 +1,61 @@
+r"""Overhead of keras_bn.BatchNormMonitor on `fit` of the MNIST BN network.
+
+The paper's MNIST BN network (784-100-100-100-10, sigmoid, keras_bn layers;
+trainers/mnist_sigmoid.build_model) is trained with `model.fit` on random
+MNIST-shaped data, batches of 60, for --steps steps per sample, with and
+without the monitor (default every_n_steps=100, a --probe_size probe batch),
+in one process and round-robin. Overhead = with / without − 1.
+
+Run:
+    python -m benchmarks.monitor_overhead
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_bn  # noqa: E402
+from trainers import mnist_sigmoid  # noqa: E402
+
+_STEPS = flags.DEFINE_integer("steps", 1000, "Training steps per timed sample.", lower_bound=100)
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed samples of each.", lower_bound=1)
+_EVERY = flags.DEFINE_integer("every_n_steps", 100, "The monitor's logging interval.", lower_bound=1)
+
+
+def main(argv):
+    del argv
+    rng = np.random.RandomState(0)
+    x = rng.rand(_STEPS.value * 60, 784).astype(np.float32)
+    y = rng.randint(0, 10, len(x))
+    model, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 0)
+    model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    monitor = keras_bn.BatchNormMonitor(tempfile.mkdtemp(), x[: mnist_sigmoid.PROBE_SIZE.value], every_n_steps=_EVERY.value)
+
+    def fit(callbacks):
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=60, epochs=1, callbacks=callbacks, verbose=0, shuffle=False)
+        return time.perf_counter() - start
+
+    fit([monitor])  # Warm-up: tracing, the probe model and the writer.
+    fit([])
+    times = {"without": [], "with": []}
+    for _ in range(_ROUNDS.value):
+        times["without"].append(fit([]))
+        times["with"].append(fit([monitor]))
+    without, with_monitor = np.median(times["without"]), np.median(times["with"])
+    print(f"Keras {keras.__version__}, {_STEPS.value} steps of batch 60, monitor every "
+          f"{_EVERY.value} steps with a {mnist_sigmoid.PROBE_SIZE.value}-example probe")
+    print(f"fit without monitor {without:.3f} s, with monitor {with_monitor:.3f} s, "
+          f"overhead {100 * (with_monitor / without - 1):.1f}%")
+
+
+if __name__ == "__main__":
+    app.run(main)
