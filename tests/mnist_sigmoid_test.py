@@ -38,6 +38,18 @@ def _run(model_dir, **overrides):
         return json.load(f)
 
 
+def _text(run_dir, tag):
+    """The Markdown table logged as text `tag`, as a dict."""
+    for path in tf.io.gfile.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == tag:
+                    table = tf.make_ndarray(value.tensor).item().decode()
+                    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+                    return {row[0].strip("| "): row[1].strip("| ") for row in rows}
+    raise KeyError(tag)
+
+
 def _weights(run_dir):
     reader = tf.train.load_checkpoint(os.path.join(run_dir, "checkpoints"))
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map() if "model" in name}
@@ -55,16 +67,34 @@ class MnistSigmoidTest(parameterized.TestCase):
             self.assertGreaterEqual(run["best_test_accuracy"], run["final_test_accuracy"])
             tags = tensorboard_events.read_events(os.path.join(model_dir, name))
             for tag in ("train/loss", "train/learning_rate", "eval/test_accuracy",
-                        "sigmoid_input/p15", "sigmoid_input/p50", "sigmoid_input/p85"):
+                        f"sigmoid_input/{name}/p15", f"sigmoid_input/{name}/p50", f"sigmoid_input/{name}/p85"):
                 self.assertEqual([s for s, _ in tags[tag]], [4, 8], tag)
                 self.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
-            p15, p85 = tags["sigmoid_input/p15"][-1][1], tags["sigmoid_input/p85"][-1][1]
+            p15, p85 = tags[f"sigmoid_input/{name}/p15"][-1][1], tags[f"sigmoid_input/{name}/p85"][-1][1]
             self.assertLessEqual(p15, p85)
+            plugins = tensorboard_events.read_plugins(os.path.join(model_dir, name))
             for layer in (1, 2, 3):
-                self.assertIn(f"pre_activation/layer_{layer}", tags)
-            self.assertIn("config", tags)
+                self.assertEqual(plugins[f"pre_activation/layer_{layer}"], "histograms")
+            self.assertEqual(plugins["config"], "text")
+            self.assertEqual(_text(os.path.join(model_dir, name), "config")["network"], name)
+            # HParams: the run's settings, and its metrics at the end.
+            self.assertEqual(plugins["_hparams_/session_start_info"], "hparams")
+            for metric in ("final_test_accuracy", "best_test_accuracy", "first_step_97"):
+                self.assertEqual([s for s, _ in tags[f"hparams/{metric}"]], [8], metric)
+            self.assertAlmostEqual(tags["hparams/final_test_accuracy"][0][1], summary["runs"][name]["final_test_accuracy"], places=6)
+            monitor_tags = [t for t in tags if t.startswith("bn_")]
+            if name == "batch_norm":
+                for layer in (1, 2, 3):
+                    self.assertEqual([s for s, _ in tags[f"bn_{layer}/train_inference_gap"]], [4, 8])
+                    self.assertEqual(plugins[f"bn_{layer}/moving_mean"], "histograms")
+            else:
+                self.assertEqual(monitor_tags, [])
             with open(os.path.join(model_dir, name, "history.json")) as f:
                 self.assertEqual([e["step"] for e in json.load(f)["evals"]], [4, 8])
+        root = tensorboard_events.read_plugins(model_dir)
+        self.assertEqual(root["custom_scalars__config__"], "custom_scalars")
+        self.assertEqual(root["_hparams_/experiment"], "hparams")
+        self.assertEqual(root["figure1"], "images")
         with open(os.path.join(model_dir, "figure1.png"), "rb") as f:
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
         self.assertEqual(summary["config"]["learning_rate"], 0.5)
@@ -75,6 +105,30 @@ class MnistSigmoidTest(parameterized.TestCase):
         names = {flag.name for module in modules for flag in by_module.get(module, [])}
         self.assertGreater(len(names), 15)
         self.assertLessEqual(names, set(summary["config"]))
+
+    def test_seeds_are_runs_of_their_own_with_mean_and_spread(self):
+        model_dir = tempfile.mkdtemp()
+        summary = _run(model_dir, num_seeds=2, seed=3)
+        for name in ("baseline", "batch_norm"):
+            run = summary["runs"][name]
+            self.assertEqual(sorted(run["per_seed"]), ["3", "4"])
+            finals = [run["per_seed"][s]["final_test_accuracy"] for s in ("3", "4")]
+            self.assertAlmostEqual(run["final_test_accuracy"], np.mean(finals), places=9)
+            self.assertAlmostEqual(run["final_test_accuracy_std"], np.std(finals), places=9)
+            for seed in (3, 4):
+                run_dir = os.path.join(model_dir, name, f"seed_{seed}")
+                self.assertEqual(_text(run_dir, "config")["seed"], str(seed))
+                self.assertIn("eval/test_accuracy", tensorboard_events.read_events(run_dir))
+        self.assertEqual(tensorboard_events.read_plugins(model_dir)["figure1"], "images")
+
+    def test_networks_of_a_seed_share_initial_kernels(self):
+        baseline, _ = mnist_sigmoid.build_model("none", 0.1, 5)
+        batch_norm, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 5)
+        other_seed, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 6)
+        for name in ("dense_1", "dense_2", "dense_3", "logits"):
+            kernel = baseline.get_layer(name).kernel.numpy()
+            np.testing.assert_array_equal(kernel, batch_norm.get_layer(name).kernel.numpy(), err_msg=name)
+            self.assertFalse(np.array_equal(kernel, other_seed.get_layer(name).kernel.numpy()), name)
 
     def test_resume_continues_without_repeating_or_skipping(self):
         straight = tempfile.mkdtemp()

@@ -17,3 +17,13 @@ def read_events(directory):
                     scalar = float(tf.make_ndarray(value.tensor))
                 tags.setdefault(value.tag, []).append((event.step, scalar))
     return tags
+
+
+def read_plugins(directory):
+    """Returns {tag: plugin name} of a run directory's events (histograms, images, ...)."""
+    plugins = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                plugins[value.tag] = value.metadata.plugin_data.plugin_name
+    return plugins

@@ -43,6 +43,7 @@ from flags import run_flags as run_flags
 from flags import training_flags as training_flags
 from trainers import loops
 from trainers import mnist_data
+from trainers import mnist_report
 from trainers import strategy as strategy_lib
 from trainers import summaries
 
@@ -59,6 +60,13 @@ PROBE_SIZE = flags.DEFINE_integer(
     "Test images in the fixed probe batch for the percentiles and histograms.",
     lower_bound=2,
 )
+NUM_SEEDS = flags.DEFINE_integer(
+    "num_seeds", 1,
+    "Train each network for seeds --seed … --seed+N−1 (each seed's data order and initial "
+    "kernels shared by both networks), each seed a run of its own; the figure and "
+    "summary.json give the mean and spread over seeds.",
+    lower_bound=1,
+)
 TRAIN_SUBSET = flags.DEFINE_integer(
     "train_subset", None,
     "Use only the first N training examples (smoke runs).", lower_bound=1,
@@ -68,7 +76,7 @@ DEFAULTS = {"train_steps": 50_000, "batch_size": 60, "learning_rate": 0.5, "eval
 RUN_NAMES = {"none": "baseline", "batch_norm": "batch_norm"}
 HIDDEN_UNITS = (100, 100, 100)
 PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, c follows.
-PERCENTILES = (15, 50, 85)
+PERCENTILES = mnist_report.PERCENTILES
 
 
 def build_model(norm, init_std, seed, sync_batch_norm=False, sync_group_size=None):
@@ -116,6 +124,7 @@ class Config(strategy_lib.DistributionConfig):
     norm: str
     init_std: float
     probe_size: int
+    num_seeds: int
     train_subset: Optional[int]
 
     @property
@@ -123,22 +132,33 @@ class Config(strategy_lib.DistributionConfig):
         """The networks to train, as `norm` values."""
         return ["none", "batch_norm"] if self.norm == "both" else [self.norm]
 
+    @property
+    def seeds(self):
+        return list(range(self.seed, self.seed + self.num_seeds))
+
+    def run_dir(self, norm, seed):
+        """`model_dir/<network>`, or `model_dir/<network>/seed_<seed>` with several seeds."""
+        parts = [self.model_dir, RUN_NAMES[norm]] + ([f"seed_{seed}"] if self.num_seeds > 1 else [])
+        return os.path.join(*parts)
+
 
 def config_from_flags():
     """The `Config` of the parsed flags (called by `main` only)."""
     holders = [
         run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED, training_flags.TRAIN_STEPS,
         training_flags.BATCH_SIZE, training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
-        NORM, INIT_STD, PROBE_SIZE, TRAIN_SUBSET, *distribution_flags.HOLDERS,
+        NORM, INIT_STD, PROBE_SIZE, NUM_SEEDS, TRAIN_SUBSET, *distribution_flags.HOLDERS,
     ]
     return Config(**summaries.with_defaults(summaries.flag_values(holders), DEFAULTS))
 
 
-def train_and_evaluate(config, strategy, norm, train, test):
-    """Trains one network (`norm`: "none" or "batch_norm") under `strategy`.
+def train_and_evaluate(config, strategy, norm, seed, train, test):
+    """Trains one network (`norm`: "none" or "batch_norm") with `seed` under `strategy`.
 
     Logs and checkpoints every `config.eval_every` steps into
-    `config.model_dir/<run name>` and resumes from the last checkpoint there.
+    `config.run_dir(norm, seed)` and resumes from the last checkpoint there.
+    The BN network's layers are also watched by `keras_bn.BatchNormMonitor`
+    on the probe batch.
     Returns the run's history: a dict with "evals" (one record per
     evaluation), "steps" and "wall_time_s".
 
@@ -153,23 +173,30 @@ def train_and_evaluate(config, strategy, norm, train, test):
             f"Received: batch_size={config.batch_size}"
         )
     distribution_flags.check_sync_group_size(config.sync_group_size, replicas)
-    keras.utils.set_random_seed(config.seed)
+    keras.utils.set_random_seed(seed)
     with strategy.scope():
         model, probe = build_model(
-            norm, config.init_std, config.seed, config.sync_batch_norm, config.sync_group_size
+            norm, config.init_std, seed, config.sync_batch_norm, config.sync_group_size
         )
         optimizer = keras.optimizers.SGD(config.learning_rate)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    run_dir = summaries.run_dir(config.model_dir, RUN_NAMES[norm])
+    network = RUN_NAMES[norm]
+    run_dir = config.run_dir(norm, seed)
+    tf.io.gfile.makedirs(run_dir)
+    # The run's own configuration: its network and seed.
+    run_config = {**dataclasses.asdict(dataclasses.replace(config, norm=norm, seed=seed)), "network": network}
     run = loops.RunState(
-        run_dir, step, dataclasses.asdict(config), max_to_keep=2,
+        run_dir, step, run_config, max_to_keep=2,
         is_chief=distribution.is_chief(strategy), model=model, optimizer=optimizer,
     )
     with run:
+        fresh = run.start == 0
+        if fresh:
+            mnist_report.write_run_hparams(run.writer, network, config, seed, os.path.relpath(run_dir, config.model_dir))
         images, labels = train
         dataset = mnist_data.make_dataset(
-            images, labels, config.batch_size, config.seed, run.start, config.train_steps
+            images, labels, config.batch_size, seed, run.start, config.train_steps
         )
         iterator = iter(strategy.experimental_distribute_dataset(dataset))
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
@@ -179,6 +206,7 @@ def train_and_evaluate(config, strategy, norm, train, test):
         predict = tf.function(lambda x: model(x, training=False))
         pre_activations = tf.function(lambda x: probe(x, training=False))
         latest_probes = {}  # Histogram values of the last evaluation (not kept in the history).
+        monitor = keras_bn.BatchNormMonitor(None, test[0][: config.probe_size]) if norm == "batch_norm" else None
 
         def evaluate(step, interval):
             accuracy = float(np.mean(np.argmax(predict(test_images), -1) == test_labels))
@@ -191,62 +219,32 @@ def train_and_evaluate(config, strategy, norm, train, test):
 
         def write_summaries(record, history):
             del history  # MNIST logs each evaluation on its own.
-            tf.summary.scalar("train/loss", record["train_loss"])
-            tf.summary.scalar("train/learning_rate", config.learning_rate)
-            tf.summary.scalar("eval/test_accuracy", record["test_accuracy"])
+            descriptions = mnist_report.SCALAR_DESCRIPTIONS
+            tf.summary.scalar("train/loss", record["train_loss"], description=descriptions["train/loss"])
+            tf.summary.scalar("train/learning_rate", config.learning_rate, description=descriptions["train/learning_rate"])
+            tf.summary.scalar("eval/test_accuracy", record["test_accuracy"], description=descriptions["eval/test_accuracy"])
             for q in PERCENTILES:
-                tf.summary.scalar(f"sigmoid_input/p{q}", record[f"p{q}"])
+                tf.summary.scalar(
+                    mnist_report.percentile_tag(network, q), record[f"p{q}"],
+                    description=mnist_report.percentile_description(q),
+                )
             for i, values in enumerate(latest_probes["layers"], start=1):
-                tf.summary.histogram(f"pre_activation/layer_{i}", values)
+                tf.summary.histogram(
+                    f"pre_activation/layer_{i}", values,
+                    description=f"Inputs of the sigmoids of hidden layer {i} over the probe batch.",
+                )
+            if monitor is not None:
+                monitor.write_summaries(model, record["step"])
 
-        return loops.train_and_log(
+        trains = run.start < config.train_steps
+        history = loops.train_and_log(
             run, train_steps=config.train_steps, eval_every=config.eval_every,
             steps_per_execution=None, run_steps=lambda n: multi_step(iterator, tf.constant(n)),
-            evaluate=evaluate, write_summaries=write_summaries, name=RUN_NAMES[norm],
+            evaluate=evaluate, write_summaries=write_summaries, name=f"{network} seed {seed}",
         )
-
-
-def plot_figure(histories, path):
-    """Writes the three panels of Fig. 1: accuracy, and the percentiles per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(histories)
-    fig, axes = plt.subplots(1, 1 + len(names), figsize=(5 * (1 + len(names)), 4))
-    for name in names:
-        evals = histories[name]["evals"]
-        axes[0].plot([e["step"] for e in evals], [e["test_accuracy"] for e in evals], label=name)
-    axes[0].set(title="(a) test accuracy", xlabel="step", ylim=(0.7, 1.0))
-    axes[0].legend()
-    for ax in axes[2:]:
-        ax.sharey(axes[1])  # Percentile panels on one scale, as in the paper.
-    for ax, name, letter in zip(axes[1:], names, "bc"):
-        evals = histories[name]["evals"]
-        for q in PERCENTILES:
-            ax.plot([e["step"] for e in evals], [e[f"p{q}"] for e in evals], label=f"{q}th")
-        ax.set(title=f"({letter}) sigmoid input, {name}", xlabel="step")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def summarize(histories):
-    """Final and best test accuracy, steps and wall time of each run."""
-    out = {}
-    for name, history in histories.items():
-        evals = history["evals"]
-        best = max(evals, key=lambda e: e["test_accuracy"])
-        out[name] = {
-            "final_test_accuracy": evals[-1]["test_accuracy"],
-            "best_test_accuracy": best["test_accuracy"],
-            "best_step": best["step"],
-            "steps": history["steps"],
-            "wall_time_s": round(history["wall_time_s"], 1),
-        }
-    return out
+        if trains:
+            mnist_report.write_run_metrics(run.writer, history)
+        return history
 
 
 def main(argv):
@@ -255,20 +253,27 @@ def main(argv):
     config = config_from_flags()
     # The strategy comes first: datasets and variables are created under it.
     strategy = config.create_strategy()
+    chief = distribution.is_chief(strategy)
     train = mnist_data.load_mnist(config.data_dir, "train")
     test = mnist_data.load_mnist(config.data_dir, "test")
     if config.train_subset:
         train = (train[0][: config.train_subset], train[1][: config.train_subset])
-    histories = {
-        RUN_NAMES[norm]: train_and_evaluate(config, strategy, norm, train, test)
-        for norm in config.networks
-    }
-    if not distribution.is_chief(strategy):
+    root = None
+    if chief:
+        tf.io.gfile.makedirs(config.model_dir)
+        root = tf.summary.create_file_writer(config.model_dir)
+        mnist_report.write_dashboards(root, [RUN_NAMES[n] for n in config.networks])
+    runs = {RUN_NAMES[norm]: [] for norm in config.networks}
+    for seed in config.seeds:  # Both networks of a seed, then the next seed.
+        for norm in config.networks:
+            runs[RUN_NAMES[norm]].append(train_and_evaluate(config, strategy, norm, seed, train, test))
+    if not chief:
         return  # Only the chief writes the run's results.
-    plot_figure(histories, os.path.join(config.model_dir, "figure1.png"))
-    summary = {"runs": summarize(histories), "config": dataclasses.asdict(config)}
+    png = mnist_report.plot_figure(runs, os.path.join(config.model_dir, "figure1.png"))
+    mnist_report.write_figure(root, png, step=config.train_steps)
+    summary = {"runs": mnist_report.summarize(runs, config.seeds), "config": dataclasses.asdict(config)}
     summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
-    logging.info("Summary: %s", summary["runs"])
+    logging.info("Summary: %s", {k: {m: v for m, v in r.items() if m != "per_seed"} for k, r in summary["runs"].items()})
 
 
 if __name__ == "__main__":

@@ -38,9 +38,3 @@ def flag_values(flag_holders):
 def with_defaults(values, defaults):
     """`values` with each key of `defaults` set to its default where it is None."""
     return {k: defaults[k] if v is None and k in defaults else v for k, v in values.items()}
-
-
-def run_dir(model_dir, name):
-    path = os.path.join(model_dir, name)
-    tf.io.gfile.makedirs(path)
-    return path

@@ -1,0 +1,185 @@
+"""Figure 1, the results summary and the TensorBoard dashboards of the MNIST runs.
+
+Runs are keyed by network name ("baseline", "batch_norm") and hold one
+history per seed (see `trainers.mnist_sigmoid`). TensorBoard gets:
+- at the model_dir root: a custom-scalars layout (one chart per network with
+  its p15/p50/p85 sigmoid-input lines, one test-accuracy chart with both
+  networks), the HParams experiment (network, learning rate, init std, seed,
+  batch size; final and best test accuracy and the first step at ≥ 97%), and
+  the Figure 1 image at the end;
+- in each run: its hyperparameters and, when it finishes, its metrics.
+"""
+
+import io
+
+import numpy as np
+import tensorflow as tf
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
+from tensorboard.plugins.hparams import api as hp
+
+PERCENTILES = (15, 50, 85)
+TARGET_ACCURACY = 0.97
+HPARAMS = {
+    "network": hp.HParam("network", hp.Discrete(["baseline", "batch_norm"])),
+    "learning_rate": hp.HParam("learning_rate", hp.RealInterval(0.0, 100.0)),
+    "init_std": hp.HParam("init_std", hp.RealInterval(0.0, 100.0)),
+    "seed": hp.HParam("seed", hp.IntInterval(0, 2**31 - 1)),
+    "batch_size": hp.HParam("batch_size", hp.IntInterval(1, 2**31 - 1)),
+}
+METRICS = {
+    "final_test_accuracy": "Test accuracy after the last step.",
+    "best_test_accuracy": "Best test accuracy over the evaluations.",
+    "first_step_97": "First evaluated step with test accuracy ≥ 97% (−1: never).",
+}
+SCALAR_DESCRIPTIONS = {
+    "train/loss": "Mean cross-entropy over the training steps since the previous evaluation.",
+    "train/learning_rate": "SGD learning rate.",
+    "eval/test_accuracy": "Accuracy on the full 10,000-image MNIST test set, inference mode.",
+}
+
+
+def percentile_description(q):
+    return (
+        f"The {q}th percentile of the input to sigmoid unit 0 of the last hidden layer over the "
+        "fixed probe batch of test images (paper Figure 1 b, c)."
+    )
+
+
+def percentile_tag(network, q):
+    return f"sigmoid_input/{network}/p{q}"
+
+
+def write_dashboards(writer, networks):
+    """The custom-scalars layout and the HParams experiment, at the root."""
+    charts = [
+        layout_pb2.Chart(
+            title="test accuracy, both networks",
+            multiline=layout_pb2.MultilineChartContent(tag=[r"^eval/test_accuracy$"]),
+        )
+    ]
+    charts += [
+        layout_pb2.Chart(
+            title=f"{network}: sigmoid input p15/p50/p85",
+            multiline=layout_pb2.MultilineChartContent(tag=[rf"^sigmoid_input/{network}/p\d+$"]),
+        )
+        for network in networks
+    ]
+    layout = layout_pb2.Layout(category=[layout_pb2.Category(title="Figure 1", chart=charts)])
+    with writer.as_default():
+        tf.summary.experimental.write_raw_pb(custom_scalar_summary.pb(layout).SerializeToString(), step=0)
+        hp.hparams_config(
+            hparams=list(HPARAMS.values()),
+            metrics=[hp.Metric(f"hparams/{name}", description=d) for name, d in METRICS.items()],
+        )
+    writer.flush()
+
+
+def write_run_hparams(writer, network, config, seed, trial_id):
+    """The run's hyperparameters (HParams' session start), once per fresh run."""
+    values = {
+        "network": network, "learning_rate": config.learning_rate, "init_std": config.init_std,
+        "seed": seed, "batch_size": config.batch_size,
+    }
+    with writer.as_default():
+        hp.hparams({HPARAMS[k]: v for k, v in values.items()}, trial_id=trial_id)
+
+
+def run_metrics(history):
+    """Final, best (and its step) test accuracy and the first step at ≥ 97%."""
+    evals = history["evals"]
+    best = max(evals, key=lambda e: e["test_accuracy"])
+    reached = next((e["step"] for e in evals if e["test_accuracy"] >= TARGET_ACCURACY), None)
+    return {
+        "final_test_accuracy": evals[-1]["test_accuracy"],
+        "best_test_accuracy": best["test_accuracy"],
+        "best_step": best["step"],
+        "first_step_97": reached,
+        "steps": history["steps"],
+        "wall_time_s": round(history["wall_time_s"], 1),
+    }
+
+
+def write_run_metrics(writer, history):
+    metrics = run_metrics(history)
+    with writer.as_default(step=history["steps"]):
+        for name, description in METRICS.items():
+            value = metrics[name]
+            tf.summary.scalar(f"hparams/{name}", -1 if value is None else value, description=description)
+    writer.flush()
+
+
+def summarize(runs, seeds):
+    """Per network: per-seed metrics and mean ± std over seeds.
+
+    With one seed the top-level values are that seed's. `first_step_97` is
+    averaged over the seeds that reached 97% (`seeds_reaching_97` of them).
+    """
+    out = {}
+    for network, histories in runs.items():
+        per_seed = {seed: run_metrics(h) for seed, h in zip(seeds, histories)}
+        entry = {"per_seed": per_seed, "seeds": len(per_seed)}
+        for name in ("final_test_accuracy", "best_test_accuracy", "first_step_97"):
+            values = [m[name] for m in per_seed.values() if m[name] is not None]
+            entry[name] = float(np.mean(values)) if values else None
+            entry[f"{name}_std"] = float(np.std(values)) if values else None
+        entry["seeds_reaching_97"] = sum(m["first_step_97"] is not None for m in per_seed.values())
+        entry["steps"] = min(m["steps"] for m in per_seed.values())
+        entry["wall_time_s"] = round(sum(m["wall_time_s"] for m in per_seed.values()), 1)
+        if len(per_seed) == 1:
+            entry["best_step"] = next(iter(per_seed.values()))["best_step"]
+        out[network] = entry
+    return out
+
+
+def plot_figure(runs, path):
+    """Figure 1: (a) test accuracy, then the sigmoid-input percentiles per network.
+
+    Each line is the mean over seeds, with a min–max band when there are
+    several. Returns the PNG bytes (also written to `path`).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(runs)
+    fig, axes = plt.subplots(1, 1 + len(names), figsize=(5 * (1 + len(names)), 4))
+
+    def band(ax, histories, key, label):
+        steps = [e["step"] for e in histories[0]["evals"]]
+        values = np.array([[e[key] for e in h["evals"]] for h in histories])
+        line = ax.plot(steps, values.mean(0), label=label)[0]
+        if len(histories) > 1:
+            ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.25)
+
+    seeds = len(runs[names[0]])
+    suffix = f" (mean, min–max over {seeds} seeds)" if seeds > 1 else ""
+    for name in names:
+        band(axes[0], runs[name], "test_accuracy", name)
+    axes[0].set(title="(a) test accuracy" + suffix, xlabel="step", ylim=(0.7, 1.0))
+    axes[0].legend()
+    for ax in axes[2:]:
+        ax.sharey(axes[1])  # Percentile panels on one scale, as in the paper.
+    for ax, name, letter in zip(axes[1:], names, "bc"):
+        for q in PERCENTILES:
+            band(ax, runs[name], f"p{q}", f"{q}th")
+        ax.set(title=f"({letter}) sigmoid input, {name}", xlabel="step")
+        ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    png = buffer.getvalue()
+    with tf.io.gfile.GFile(path, "wb") as f:
+        f.write(png)
+    return png
+
+
+def write_figure(writer, png, step):
+    with writer.as_default(step=step):
+        tf.summary.image(
+            "figure1", tf.io.decode_png(png)[None],
+            description="Paper Figure 1: test accuracy and sigmoid-input percentiles of both networks.",
+        )
+    writer.flush()
