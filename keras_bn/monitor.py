@@ -165,8 +165,14 @@ class BatchNormMonitor(keras.callbacks.Callback):
         """Each layer's input on the probe batch, in inference mode."""
         if self._probe_for is not model:
             try:
+                import tensorflow as tf
+
                 inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
-                self._probe_model = keras.Model(inputs, [layer.input for layer in layers])
+                probe = keras.Model(inputs, [layer.input for layer in layers])
+                # Compiled once; called outside any replica context, so under a
+                # tf.distribute strategy it reads the local copies and needs
+                # no collective (unlike Keras' distributed predict).
+                self._probe_model = tf.function(lambda data: probe(data, training=False))
             except (AttributeError, ValueError) as error:
                 raise ValueError(
                     "BatchNormMonitor reads each keras_bn layer's input through the model's "
@@ -174,8 +180,7 @@ class BatchNormMonitor(keras.callbacks.Callback):
                     f"are called once. Received: model={type(model).__name__} ({error})"
                 ) from error
             self._probe_for = model
-        # The compiled predict function: the probe pass costs one call.
-        outputs = self._probe_model.predict_on_batch(self.probe_data)
+        outputs = self._probe_model(self.probe_data)
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         return [np.asarray(x) for x in outputs]
 

@@ -48,6 +48,14 @@ def _check_run(test, model_dir, summary, steps):
         test.assertIn(tag, tags)
         test.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
     test.assertIn("config", tags)
+    if summary["config"]["recipe.batch_norm"]:
+        plugins = tensorboard_events.read_plugins(model_dir)
+        for tag in ("batch_norm/worst_train_inference_gap", "batch_norm/median_train_inference_gap",
+                    "bn_stage_stem/worst_train_inference_gap", "bn_stage_5/worst_train_inference_gap"):
+            test.assertEqual(len(tags[tag]), len(tags["eval/top1"]), tag)
+            test.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
+        for stage in ("stem", "3", "4", "5"):
+            test.assertEqual(plugins[f"bn_stage_{stage}/moving_variance"], "histograms", stage)
     test.assertIsNotNone(tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")))
     return tags
 

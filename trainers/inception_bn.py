@@ -42,6 +42,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import keras_bn
 from keras_bn import distribution
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
@@ -234,6 +235,12 @@ def train_and_evaluate(config, strategy):
             config.jit_compile and config.distribution_strategy != "tpu",
         )
         evaluator = make_evaluator(strategy, model)
+        # BN health on a fixed evaluation batch, aggregated per stage: worst
+        # and median train/inference gap, per-stage weight histograms.
+        monitor = None
+        if recipe.batch_norm:
+            probe_images = next(iter(eval_data))[0]
+            monitor = keras_bn.BatchNormMonitor(None, probe_images, group_by=inception_model.bn_stage)
 
         def evaluate(step, interval):
             top1, top5 = evaluator(eval_data, config.eval_steps)
@@ -255,6 +262,8 @@ def train_and_evaluate(config, strategy):
             reached = steps_to_target(history["evals"], config.target_accuracy)
             if reached is not None:
                 tf.summary.scalar("eval/steps_to_target", reached)
+            if monitor is not None and run.is_chief:
+                monitor.write_summaries(model, record["step"])
 
         return loops.train_and_log(
             run, train_steps=config.train_steps, eval_every=config.eval_every,

@@ -98,6 +98,16 @@ def _lrn(name):
     )
 
 
+def bn_stage(layer_name):
+    """The network stage a BN layer belongs to: stem, or Inception stage 3, 4 or 5.
+
+    Used to aggregate the 69 BN layers' health summaries per stage.
+    """
+    if layer_name.startswith("inception_"):
+        return f"bn_stage_{layer_name[len('inception_')]}"
+    return "bn_stage_stem"
+
+
 def build_inception(
     *, image_size=224, num_classes=1000, batch_norm=True, activation="relu",
     lrn=False, dropout=0.0, weight_decay=0.0, sync_batch_norm=False,
