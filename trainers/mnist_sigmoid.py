@@ -7,10 +7,14 @@ keras_bn.BatchNormalization (β replaces the bias). Every --eval_every steps it
 logs the test accuracy over the full 10k test set (inference mode), the
 15th/50th/85th percentiles of the input to one sigmoid of the last hidden layer
 over a fixed probe batch (Fig. 1 b, c), histograms of every hidden layer's
-pre-activations, the train loss and the learning rate to TensorBoard under
---model_dir/<run>, and checkpoints; a killed run resumes from its last
-checkpoint with the same --model_dir. At the end it writes figure1.png (the
-three panels of Fig. 1) and summary.json to --model_dir.
+pre-activations, the train loss, the learning rate and the BN layers' health
+(keras_bn.BatchNormMonitor) to TensorBoard under --model_dir/<network>
+(--model_dir/<network>/seed_<s> with --num_seeds > 1), and checkpoints; a
+killed run resumes from its last checkpoint with the same --model_dir. The
+model_dir root holds the custom-scalars layout (Figure 1 as charts), the
+HParams experiment and, at the end, the Figure 1 image; figure1.png (mean
+and min–max band over seeds) and summary.json are written there too
+(trainers/mnist_report.py).
 
 Run (both networks, same seed and data order, on the real MNIST copy here):
 
