@@ -112,8 +112,8 @@ class BatchNormMonitor(keras.callbacks.Callback):
         layers = population.batch_norm_layers(model)
         if not layers:
             raise ValueError(f"The model has no keras_bn.BatchNormalization layer. Received: model={model.name}")
-        inputs = self._layer_inputs(model, layers)
-        return [(layer, _layer_health(layer, x)) for layer, x in zip(layers, inputs)]
+        statistics = self._input_moments(model, layers)
+        return [(layer, _layer_health(layer, *moments)) for layer, moments in zip(layers, statistics)]
 
     def write_summaries(self, model, step):
         """Writes the summaries of `model` at `step` with the default tf.summary writer.
@@ -161,28 +161,43 @@ class BatchNormMonitor(keras.callbacks.Callback):
                     histogram(f"{group}/{name}", np.concatenate(values))
         tf.summary.experimental.write_raw_pb([p.SerializeToString() for p in protos], step=step)
 
-    def _layer_inputs(self, model, layers):
-        """Each layer's input on the probe batch, in inference mode."""
-        if self._probe_for is not model:
-            try:
-                import tensorflow as tf
+    def _input_moments(self, model, layers):
+        """Per-feature (mean, variance) of each layer's input on the probe batch.
 
+        The probe forward pass (inference mode) and the moments run in one
+        compiled function, called outside any replica context: under a
+        tf.distribute strategy it reads the local copies and needs no
+        collective (unlike Keras' distributed predict). Only C values per
+        layer come back to NumPy.
+        """
+        if self._probe_for is not model:
+            import tensorflow as tf
+
+            try:
                 inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
                 probe = keras.Model(inputs, [layer.input for layer in layers])
-                # Compiled once; called outside any replica context, so under a
-                # tf.distribute strategy it reads the local copies and needs
-                # no collective (unlike Keras' distributed predict).
-                self._probe_model = tf.function(lambda data: probe(data, training=False))
             except (AttributeError, ValueError) as error:
                 raise ValueError(
                     "BatchNormMonitor reads each keras_bn layer's input through the model's "
                     "graph, which needs a Sequential or functional model whose keras_bn layers "
                     f"are called once. Received: model={type(model).__name__} ({error})"
                 ) from error
-            self._probe_for = model
-        outputs = self._probe_model(self.probe_data)
-        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-        return [np.asarray(x) for x in outputs]
+            axes = [
+                [i for i in range(len(layer.input.shape)) if i not in layer.feature_axes]
+                for layer in layers
+            ]
+
+            @tf.function
+            def moments(data):
+                outputs = probe(data, training=False)
+                outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+                return [tf.nn.moments(tf.cast(x, tf.float64), a) for x, a in zip(outputs, axes)]
+
+            self._probe_model, self._probe_for = moments, model
+        return [
+            (np.asarray(mean).ravel(), np.asarray(variance).ravel())
+            for mean, variance in self._probe_model(self.probe_data)
+        ]
 
 
 _DESCRIPTIONS = {
@@ -206,18 +221,16 @@ def _weights(layer):
     return {k: np.asarray(keras.ops.convert_to_numpy(v)) for k, v in out.items() if v is not None}
 
 
-def _layer_health(layer, x):
-    """Gap and drifts from the per-feature moments of `x` (one pass over x).
+def _layer_health(layer, mean, variance):
+    """Gap and drifts from the per-feature moments of the layer's input.
 
     Per feature both outputs are affine in x: y_train − y_infer = a·x + c with
     a = γ (1/σ_B − 1/σ_M) and c = γ (μ_M/σ_M − μ_B/σ_B), so the mean square
     difference is a²(σ²_B + μ²_B) + 2acμ_B + c²; y_train = γ x̂ + β has mean
     β and mean square γ²σ²_B/(σ²_B + ε) + β² per feature (σ_B = √(σ²_B + ε),
-    σ_M = √(moving_variance + ε), μ_M = moving_mean).
+    σ_M = √(moving_variance + ε), μ_M = moving_mean; every feature counts the
+    same number of values).
     """
-    axes = tuple(i for i in range(x.ndim) if i not in layer.feature_axes)
-    mean = np.mean(x, axis=axes, dtype=np.float64).ravel()
-    variance = np.var(x, axis=axes, dtype=np.float64).ravel()
     weights = {k: v.astype(np.float64).ravel() for k, v in _weights(layer).items()}
     gamma, beta = weights.get("gamma", 1.0), weights.get("beta", np.zeros_like(mean))
     moving_mean, moving_variance = weights["moving_mean"], weights["moving_variance"]
