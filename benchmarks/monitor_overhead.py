@@ -28,6 +28,9 @@ from trainers import mnist_sigmoid  # noqa: E402
 _STEPS = flags.DEFINE_integer("steps", 1000, "Training steps per timed sample.", lower_bound=100)
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed samples of each.", lower_bound=1)
 _EVERY = flags.DEFINE_integer("every_n_steps", 100, "The monitor's logging interval.", lower_bound=1)
+_SPE = flags.DEFINE_integer(
+    "steps_per_execution", 1, "Keras' steps per compiled call (batch hooks run once per call).", lower_bound=1
+)
 
 
 def main(argv):
@@ -36,7 +39,10 @@ def main(argv):
     x = rng.rand(_STEPS.value * 60, 784).astype(np.float32)
     y = rng.randint(0, 10, len(x))
     model, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 0)
-    model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=_SPE.value,
+    )
     monitor = keras_bn.BatchNormMonitor(tempfile.mkdtemp(), x[: mnist_sigmoid.PROBE_SIZE.value], every_n_steps=_EVERY.value)
 
     def fit(callbacks):
@@ -61,7 +67,8 @@ def main(argv):
         times["without"].append(fit([]))
         times["with"].append(fit([monitor]))
     without, with_monitor = np.median(times["without"]), np.median(times["with"])
-    print(f"Keras {keras.__version__}, {_STEPS.value} steps of batch 60, monitor every "
+    print(f"Keras {keras.__version__}, {_STEPS.value} steps of batch 60 "
+          f"(steps_per_execution={_SPE.value}), monitor every "
           f"{_EVERY.value} steps with a {mnist_sigmoid.PROBE_SIZE.value}-example probe")
     per_fit = sum(inside) / _ROUNDS.value
     print(f"fit without monitor {without:.3f} s, with monitor {with_monitor:.3f} s, "

@@ -15,8 +15,10 @@ class BatchNormMonitor(keras.callbacks.Callback):
     The most common production failure of batch normalisation is silent: the
     moving statistics used at inference drift away from what training sees
     (stale statistics, a changed input pipeline, a layer left in the wrong
-    mode), and results just get worse. Every `every_n_steps` training batches
-    the monitor runs the model in inference mode on a fixed `probe_data`
+    mode), and results just get worse. Every `every_n_steps` optimizer steps
+    (at the first batch end at or past each multiple, so also with
+    `steps_per_execution` > 1; Keras' per-batch hook dispatch is then paid
+    once per execution instead of once per step) the monitor runs the model in inference mode on a fixed `probe_data`
     batch, takes each keras_bn layer's input there, and logs:
 
     - `<layer>/train_inference_gap`: RMS(y_train − y_infer) / std(y_train),
@@ -74,19 +76,22 @@ class BatchNormMonitor(keras.callbacks.Callback):
         self.probe_data = probe_data
         self.every_n_steps = every_n_steps
         self.group_by = group_by
-        self._steps = 0
+        self._logged_step = 0
         self._lock = threading.Lock()
         self._writer = None
         self._probe_model = None
         self._probe_for = None
 
     def on_train_batch_end(self, batch, logs=None):
-        # Keras' callback threads may run hooks of consecutive batches at
-        # once: counting and logging are serialised.
+        # Steps are the optimizer's iterations, so a hook that Keras calls
+        # once per `steps_per_execution` steps still logs on schedule; Keras'
+        # callback threads may run hooks of consecutive batches at once, so
+        # reading the step and logging are serialised.
         with self._lock:
-            self._steps += 1
-            if self._steps % self.every_n_steps == 0:
-                self._log(self._steps)
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            if step // self.every_n_steps > self._logged_step // self.every_n_steps:
+                self._logged_step = step
+                self._log(step)
 
     def on_train_end(self, logs=None):
         if self._writer is not None:

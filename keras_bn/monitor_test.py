@@ -50,6 +50,16 @@ class MonitorTest(parameterized.TestCase):
             for name, value in metrics.items():
                 self.assertAlmostEqual(tags[f"{layer.name}/{name}"][-1][1], value, places=4)
 
+    def test_steps_per_execution_still_logs_on_schedule(self):
+        log_dir = tempfile.mkdtemp()
+        x, y = _data()
+        model = _model()
+        model.compile("sgd", "mse", steps_per_execution=3)
+        monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=4)
+        model.fit(x, y, batch_size=4, epochs=1, callbacks=[monitor], verbose=0)  # 16 steps, hooks at 3, 6, ...
+        tags = tensorboard_events.read_events(log_dir)
+        self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [6, 9, 12, 16])
+
     def test_gap_and_drifts_match_numpy(self):
         x, _ = _data(32, 1)
         model = _model()
