@@ -237,8 +237,12 @@ def train_and_evaluate(config, strategy):
         evaluator = make_evaluator(strategy, model)
         # BN health on a fixed evaluation batch, aggregated per stage: worst
         # and median train/inference gap, per-stage weight histograms.
+        # Not under MultiWorkerMirroredStrategy: the monitor's reads of the
+        # sync-on-read moving statistics are collectives there, which its
+        # out-of-step probe pass would have to issue identically on every
+        # worker (untested, and it hung here); see README.
         monitor = None
-        if recipe.batch_norm:
+        if recipe.batch_norm and not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
             probe_images = next(iter(eval_data))[0]
             monitor = keras_bn.BatchNormMonitor(None, probe_images, group_by=inception_model.bn_stage)
 
@@ -262,7 +266,7 @@ def train_and_evaluate(config, strategy):
             reached = steps_to_target(history["evals"], config.target_accuracy)
             if reached is not None:
                 tf.summary.scalar("eval/steps_to_target", reached)
-            if monitor is not None and run.is_chief:
+            if monitor is not None:
                 monitor.write_summaries(model, record["step"])
 
         return loops.train_and_log(

@@ -210,7 +210,9 @@ def train_and_evaluate(config, strategy, norm, seed, train, test):
         predict = tf.function(lambda x: model(x, training=False))
         pre_activations = tf.function(lambda x: probe(x, training=False))
         latest_probes = {}  # Histogram values of the last evaluation (not kept in the history).
-        monitor = keras_bn.BatchNormMonitor(None, test[0][: config.probe_size]) if norm == "batch_norm" else None
+        # Not under MultiWorkerMirroredStrategy (see trainers/inception_bn.py).
+        monitored = norm == "batch_norm" and not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        monitor = keras_bn.BatchNormMonitor(None, test[0][: config.probe_size]) if monitored else None
 
         def evaluate(step, interval):
             accuracy = float(np.mean(np.argmax(predict(test_images), -1) == test_labels))
