@@ -42,9 +42,13 @@ class BatchNormMonitor(keras.callbacks.Callback):
     `<group>/worst_train_inference_gap`, and the histograms per group
     (`<group>/moving_mean`, ...), the group's layers concatenated.
 
-    Under a `tf.distribute` strategy only the chief writes. Trainers with
-    their own loop call `write_summaries(model, step)` inside their own
-    writer instead of using the callback hooks.
+    Under a `tf.distribute` strategy only the chief probes and writes; it
+    probes in its first local replica with that replica's copies of the
+    moving statistics (the same on every replica with `synchronized=True`),
+    so no collective is issued and the other workers of a
+    `MultiWorkerMirroredStrategy` run never wait for it. Trainers with their
+    own loop call `write_summaries(model, step)` inside their own writer
+    (every worker may call it) instead of using the callback hooks.
 
     Args:
         log_dir: directory for the callback's TensorBoard event file (`None`
@@ -62,8 +66,8 @@ class BatchNormMonitor(keras.callbacks.Callback):
     """
 
     # Keras may call the batch hook from its callback thread: training does not
-    # wait for the hook (which only reads the model) on the 99 batches of 100
-    # that log nothing.
+    # wait for the hook (which only reads the model, with no collective) on
+    # the 99 batches of 100 that log nothing.
     async_safe = True
 
     def __init__(self, log_dir, probe_data, every_n_steps=100, group_by=None):
@@ -76,22 +80,39 @@ class BatchNormMonitor(keras.callbacks.Callback):
         self.probe_data = probe_data
         self.every_n_steps = every_n_steps
         self.group_by = group_by
-        self._logged_step = 0
         self._lock = threading.Lock()
         self._writer = None
-        self._probe_model = None
+        self._probe = None
         self._probe_for = None
+        self._first_step = self._epoch_start = self._step = self._logged_step = 0
+
+    def on_train_begin(self, logs=None):
+        # The optimizer's step count is read once per `fit` (it continues a
+        # resumed run); batches are then counted in Python, so the per-batch
+        # hook reads nothing from the device.
+        self._first_step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        self._epoch_start = self._step = self._logged_step = self._first_step
 
     def on_train_batch_end(self, batch, logs=None):
-        # Steps are the optimizer's iterations, so a hook that Keras calls
-        # once per `steps_per_execution` steps still logs on schedule; Keras'
-        # callback threads may run hooks of consecutive batches at once, so
-        # reading the step and logging are serialised.
+        # `batch` is the epoch's last finished step (the last of an execution
+        # with `steps_per_execution` > 1; Keras counts a short last execution
+        # as a full one, hence the clamp to the epoch's steps). Keras'
+        # callback threads may run the hooks of consecutive batches at once,
+        # so counting and logging are serialised.
         with self._lock:
-            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-            if step // self.every_n_steps > self._logged_step // self.every_n_steps:
-                self._logged_step = step
-                self._log(step)
+            steps = (self.params or {}).get("steps")
+            done = batch + 1 if not steps else min(batch + 1, steps)
+            self._step = max(self._step, self._epoch_start + done)
+            if self._step // self.every_n_steps > self._logged_step // self.every_n_steps:
+                self._logged_step = self._step
+                self._log(self._step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Keras has finished the epoch's batch hooks before calling this; the
+        # optimizer's count (read once per epoch) also corrects the Python
+        # count where an epoch's length was unknown.
+        with self._lock:
+            self._epoch_start = self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def on_train_end(self, logs=None):
         if self._writer is not None:
@@ -100,7 +121,7 @@ class BatchNormMonitor(keras.callbacks.Callback):
     def _log(self, step):
         import tensorflow as tf  # TensorBoard summaries are written with tf.summary.
 
-        if not distribution.is_chief():
+        if not distribution.is_chief(_strategy(self.model)):
             return
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
@@ -114,23 +135,22 @@ class BatchNormMonitor(keras.callbacks.Callback):
             A list of `(layer, {"train_inference_gap", "mean_drift",
             "variance_drift"})`, in the model's layer order.
         """
-        layers = population.batch_norm_layers(model)
-        if not layers:
-            raise ValueError(f"The model has no keras_bn.BatchNormalization layer. Received: model={model.name}")
-        statistics = self._input_moments(model, layers)
-        return [(layer, _layer_health(layer, *moments)) for layer, moments in zip(layers, statistics)]
+        return [(layer, _layer_health(layer, *state)) for layer, state in self._probe_state(model)]
 
     def write_summaries(self, model, step):
         """Writes the summaries of `model` at `step` with the default tf.summary writer.
 
         All of them go out as one batch of serialized summaries (building the
         histograms in NumPy), which keeps the monitor's cost per log to a few
-        milliseconds.
+        milliseconds. Off the chief of a multi-worker run it does nothing, so
+        every worker of a custom loop may call it.
         """
         import tensorflow as tf
         from tensorboard.plugins.histogram import summary_v2 as histogram_summary
         from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
+        if not distribution.is_chief(_strategy(model)):
+            return
         protos = []
 
         def scalar(tag, value, description):
@@ -139,12 +159,14 @@ class BatchNormMonitor(keras.callbacks.Callback):
         def histogram(tag, values):
             protos.append(histogram_summary.histogram_pb(tag, values))
 
-        results = self.health(model)
+        states = self._probe_state(model)
+        results = [(layer, _layer_health(layer, *state)) for layer, state in states]
+        weights = {layer: state[2] for layer, state in states}
         if self.group_by is None:
             for layer, metrics in results:
                 for name, value in metrics.items():
                     scalar(f"{layer.name}/{name}", value, _DESCRIPTIONS[name])
-                for name, values in _weights(layer).items():
+                for name, values in weights[layer].items():
                     histogram(f"{layer.name}/{name}", values)
         else:
             gaps = np.array([metrics["train_inference_gap"] for _, metrics in results])
@@ -160,49 +182,77 @@ class BatchNormMonitor(keras.callbacks.Callback):
                        f"Largest train/inference gap of the BN layers of {group}.")
                 stacked = {}
                 for layer, _ in members:
-                    for name, values in _weights(layer).items():
+                    for name, values in weights[layer].items():
                         stacked.setdefault(name, []).append(values.ravel())
                 for name, values in stacked.items():
                     histogram(f"{group}/{name}", np.concatenate(values))
         tf.summary.experimental.write_raw_pb([p.SerializeToString() for p in protos], step=step)
 
-    def _input_moments(self, model, layers):
-        """Per-feature (mean, variance) of each layer's input on the probe batch.
+    def _probe_state(self, model):
+        """Per keras_bn layer: `(layer, (mean, variance, weights))` on the probe batch.
 
-        The probe forward pass (inference mode) and the moments run in one
-        compiled function, called outside any replica context: under a
-        tf.distribute strategy it reads the local copies and needs no
-        collective (unlike Keras' distributed predict). Only C values per
-        layer come back to NumPy.
+        `mean`, `variance` are the per-feature moments of the layer's input on
+        the probe batch; `weights` its moving statistics, γ and β. The probe
+        forward pass (inference mode), the moments and the weight reads run
+        in one compiled call; only C values per tensor come back to NumPy.
+        Under a `tf.distribute` strategy with several replicas the call runs
+        in the first local replica (`strategy.run`), which reads that
+        replica's own copies: no collective, so one process may probe while
+        the others train (identical copies with `synchronized=True`).
         """
+        layers = population.batch_norm_layers(model)
+        if not layers:
+            raise ValueError(f"The model has no keras_bn.BatchNormalization layer. Received: model={model.name}")
         if self._probe_for is not model:
-            import tensorflow as tf
-
-            try:
-                inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
-                probe = keras.Model(inputs, [layer.input for layer in layers])
-            except (AttributeError, ValueError) as error:
-                raise ValueError(
-                    "BatchNormMonitor reads each keras_bn layer's input through the model's "
-                    "graph, which needs a Sequential or functional model whose keras_bn layers "
-                    f"are called once. Received: model={type(model).__name__} ({error})"
-                ) from error
-            axes = [
-                [i for i in range(len(layer.input.shape)) if i not in layer.feature_axes]
-                for layer in layers
-            ]
-
-            @tf.function
-            def moments(data):
-                outputs = probe(data, training=False)
-                outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-                return [tf.nn.moments(tf.cast(x, tf.float64), a) for x, a in zip(outputs, axes)]
-
-            self._probe_model, self._probe_for = moments, model
+            self._probe = _compile_probe(model, layers)
+            self._probe_for = model
+        moments, weights = self._probe(self.probe_data)
         return [
-            (np.asarray(mean).ravel(), np.asarray(variance).ravel())
-            for mean, variance in self._probe_model(self.probe_data)
+            (layer, (np.asarray(mean).ravel(), np.asarray(variance).ravel(),
+                     {k: np.asarray(v) for k, v in w.items()}))
+            for layer, (mean, variance), w in zip(layers, moments, weights)
         ]
+
+
+def _strategy(model):
+    """The model's `tf.distribute` strategy (TensorFlow backend), else `None`."""
+    return getattr(model, "distribute_strategy", None)
+
+
+def _compile_probe(model, layers):
+    import tensorflow as tf
+
+    try:
+        inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+        probe = keras.Model(inputs, [layer.input for layer in layers])
+    except (AttributeError, ValueError) as error:
+        raise ValueError(
+            "BatchNormMonitor reads each keras_bn layer's input through the model's "
+            "graph, which needs a Sequential or functional model whose keras_bn layers "
+            f"are called once. Received: model={type(model).__name__} ({error})"
+        ) from error
+    axes = [[i for i in range(len(layer.input.shape)) if i not in layer.feature_axes] for layer in layers]
+
+    def probe_pass(data):
+        outputs = probe(data, training=False)
+        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        moments = [tf.nn.moments(tf.cast(x, tf.float64), a) for x, a in zip(outputs, axes)]
+        weights = [
+            {name: tf.identity(keras.ops.convert_to_tensor(v)) for name, v in _weight_variables(layer).items()}
+            for layer in layers
+        ]
+        return moments, weights
+
+    strategy = _strategy(model)
+    if strategy is None or strategy.num_replicas_in_sync == 1:
+        return tf.function(probe_pass)
+
+    @tf.function
+    def first_replica_probe_pass(data):
+        results = strategy.run(probe_pass, args=(data,))
+        return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], results)
+
+    return first_replica_probe_pass
 
 
 _DESCRIPTIONS = {
@@ -216,17 +266,17 @@ _DESCRIPTIONS = {
 }
 
 
-def _weights(layer):
+def _weight_variables(layer):
     out = {
         "moving_mean": layer.moving_mean,
         "moving_variance": layer.moving_variance,
         "gamma": layer.gamma,
         "beta": layer.beta,
     }
-    return {k: np.asarray(keras.ops.convert_to_numpy(v)) for k, v in out.items() if v is not None}
+    return {k: v for k, v in out.items() if v is not None}
 
 
-def _layer_health(layer, mean, variance):
+def _layer_health(layer, mean, variance, weights):
     """Gap and drifts from the per-feature moments of the layer's input.
 
     Per feature both outputs are affine in x: y_train − y_infer = a·x + c with
@@ -236,7 +286,7 @@ def _layer_health(layer, mean, variance):
     σ_M = √(moving_variance + ε), μ_M = moving_mean; every feature counts the
     same number of values).
     """
-    weights = {k: v.astype(np.float64).ravel() for k, v in _weights(layer).items()}
+    weights = {k: v.astype(np.float64).ravel() for k, v in weights.items()}
     gamma, beta = weights.get("gamma", 1.0), weights.get("beta", np.zeros_like(mean))
     moving_mean, moving_variance = weights["moving_mean"], weights["moving_variance"]
     eps = layer.epsilon

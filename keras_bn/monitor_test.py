@@ -11,14 +11,14 @@ import keras_bn
 from tests import tensorboard_events
 
 
-def _model():
+def _model(synchronized=False):
     return keras.Sequential([
         keras.Input((6,)),
         keras.layers.Dense(5, use_bias=False, name="hidden"),
-        keras_bn.BatchNormalization(name="bn_a"),
+        keras_bn.BatchNormalization(synchronized=synchronized, name="bn_a"),
         keras.layers.ReLU(),
         keras.layers.Dense(4, use_bias=False),
-        keras_bn.BatchNormalization(axis=-1, momentum=0.5, name="bn_b"),
+        keras_bn.BatchNormalization(axis=-1, momentum=0.5, synchronized=synchronized, name="bn_b"),
         keras.layers.Dense(1),
     ])
 
@@ -106,6 +106,40 @@ class MonitorTest(parameterized.TestCase):
         self.assertEqual(worst, max(tags["stage_a/worst_train_inference_gap"][-1][1],
                                     tags["stage_b/worst_train_inference_gap"][-1][1]))
         self.assertNotIn("bn_a/train_inference_gap", tags)
+
+    def test_multi_steps_epochs_continue_the_count(self):
+        log_dir = tempfile.mkdtemp()
+        x, y = _data()
+        model = _model()
+        model.compile("sgd", "mse")
+        monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=3)
+        model.fit(x, y, batch_size=8, epochs=2, callbacks=[monitor], verbose=0)  # 2 x 8 steps.
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[monitor], verbose=0)  # Steps 17-20.
+        tags = tensorboard_events.read_events(log_dir)
+        self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [3, 6, 9, 12, 15, 18])
+
+    def test_mirrored_strategy_probes_the_first_replica(self):
+        import tensorflow as tf
+
+        log_dir = tempfile.mkdtemp()
+        x, y = _data()
+        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        with strategy.scope():
+            model = _model(synchronized=True)
+            model.compile("sgd", "mse")
+        monitor = keras_bn.BatchNormMonitor(log_dir, x[:32], every_n_steps=2)
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[monitor], verbose=0)  # 4 steps.
+        tags = tensorboard_events.read_events(log_dir)
+        self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [2, 4])
+        # With synchronised layers every replica holds the same statistics:
+        # the same weights in a model outside the strategy give the same health.
+        plain = _model()
+        plain.set_weights(model.get_weights())
+        expected = {layer.name: m for layer, m in keras_bn.BatchNormMonitor(None, x[:32]).health(plain)}
+        for layer, metrics in monitor.health(model):
+            for name, value in metrics.items():
+                self.assertAlmostEqual(value, expected[layer.name][name], places=5)
+                self.assertAlmostEqual(tags[f"{layer.name}/{name}"][-1][1], value, places=5)
 
     def test_rejects(self):
         with self.assertRaisesRegex(ValueError, r"Received: every_n_steps=0"):

@@ -3,7 +3,8 @@
 Only the chief may write into --model_dir: one event file per launch, its
 history and summary, its checkpoints. The other worker checkpoints into its
 own temporary directory. A relaunch of both workers resumes at the chief's
-checkpointed step.
+checkpointed step. The chief logs the BN monitor's health while the other
+worker trains on.
 """
 
 import glob
@@ -69,6 +70,8 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         self.assertLen(_event_files(model_dir), 2)
         tags = tensorboard_events.read_events(model_dir)
         self.assertEqual([s for s, _ in tags["train/loss"]], [1, 2, 3, 4])
+        # BN health, probed by the chief alone in its local replica.
+        self.assertEqual([s for s, _ in tags["batch_norm/worst_train_inference_gap"]], [1, 2, 3, 4])
 
 
 if __name__ == "__main__":

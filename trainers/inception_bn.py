@@ -237,12 +237,8 @@ def train_and_evaluate(config, strategy):
         evaluator = make_evaluator(strategy, model)
         # BN health on a fixed evaluation batch, aggregated per stage: worst
         # and median train/inference gap, per-stage weight histograms.
-        # Not under MultiWorkerMirroredStrategy: the monitor's reads of the
-        # sync-on-read moving statistics are collectives there, which its
-        # out-of-step probe pass would have to issue identically on every
-        # worker (untested, and it hung here); see README.
         monitor = None
-        if recipe.batch_norm and not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if recipe.batch_norm:
             probe_images = next(iter(eval_data))[0]
             monitor = keras_bn.BatchNormMonitor(None, probe_images, group_by=inception_model.bn_stage)
 

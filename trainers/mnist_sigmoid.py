@@ -210,8 +210,7 @@ def train_and_evaluate(config, strategy, norm, seed, train, test):
         predict = tf.function(lambda x: model(x, training=False))
         pre_activations = tf.function(lambda x: probe(x, training=False))
         latest_probes = {}  # Histogram values of the last evaluation (not kept in the history).
-        # Not under MultiWorkerMirroredStrategy (see trainers/inception_bn.py).
-        monitored = norm == "batch_norm" and not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        monitored = norm == "batch_norm"
         monitor = keras_bn.BatchNormMonitor(None, test[0][: config.probe_size]) if monitored else None
 
         def evaluate(step, interval):
