@@ -6,7 +6,9 @@ installed, PyTorch, each in its own process): `fit` trains with renorm,
 masks, `momentum=None` and `unbiased_variance`; the training output and the
 moving statistics match float64 NumPy references; gradients match finite
 differences; TensorFlow is not imported unless the backend is TensorFlow;
-`synchronized=True` off TensorFlow raises an error naming the backend.
+ghost batches match the float64 reference; `synchronized=True` on PyTorch
+raises an error naming the backend (JAX's is tested in
+`jax_distribution_test.py`).
 """
 
 import subprocess
@@ -129,9 +131,22 @@ class BackendTest(parameterized.TestCase):
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
         self.assertEqual(out.stdout.strip().splitlines()[-1], str(BACKEND == "tensorflow"))
 
-    def test_synchronized_needs_tensorflow(self):
-        if BACKEND == "tensorflow":
-            self.skipTest("synchronized=True is supported on the TensorFlow backend")
+    def test_ghost_batches(self):
+        x, upstream = _data((16, 3), 7), _data((16, 3), 8, loc=0.0, scale=1.0)
+        layer = keras_bn.BatchNormalization(virtual_batch_size=4, momentum=0.0)
+        y = keras.ops.convert_to_numpy(layer(x, training=True))
+        expected = testing.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, 1e-3)
+        np.testing.assert_allclose(y, expected["y"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_mean), expected["mean"], rtol=1e-5)
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_variance), expected["variance"], rtol=1e-5)
+        dx = _input_gradient(lambda v: keras.ops.sum(keras.ops.multiply(layer(v, training=True), upstream)), x)
+        np.testing.assert_allclose(dx, expected["dx"], rtol=1e-4, atol=1e-5)
+        # Inference ignores the ghost batch size.
+        self.assertEqual(tuple(layer(x[:3], training=False).shape), (3, 3))
+
+    def test_synchronized_needs_a_distribution_engine(self):
+        if BACKEND in ("tensorflow", "jax"):
+            self.skipTest(f"synchronized=True is supported on {BACKEND} (its own tests)")
         layer = keras_bn.BatchNormalization(synchronized=True)
         with self.assertRaisesRegex(ValueError, f"not supported on the {BACKEND} backend"):
             layer(np.ones((4, 3), np.float32), training=True)

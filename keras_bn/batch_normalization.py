@@ -10,6 +10,7 @@ from keras import regularizers
 
 from keras_bn import moments
 from keras_bn import normalize
+from keras_bn import slices
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")
@@ -67,6 +68,34 @@ class BatchNormalization(keras.layers.Layer):
     variance), and a restore gives every replica that average. `k=1` means
     local statistics.
 
+    Ghost batches (Hoffer et al. 2017). With `virtual_batch_size=v`, in
+    training each replica's batch is split into consecutive sub-batches of v
+    examples, each normalised with its own moments (and its own gradient
+    paths through them). The moving statistics move, once per step, towards
+    the average of the ghost batches' means and of their variances (the
+    pooled within-ghost-batch variance; with `unbiased_variance=True` the
+    pooled unbiased Σ M2 / Σ (v·p·q − 1), so that they estimate what a
+    v-example batch sees. At inference v plays no part: any batch size
+    works. v must divide each replica's batch (a `ValueError` naming both
+    numbers; with a batch size known only at run time, TensorFlow's
+    run-time assertion names them). Not combinable with
+    `synchronized=True`.
+
+    Engines. Which examples share statistics in training is the same under
+    `tf.distribute` and under Keras 3's `keras.distribution` on JAX
+    (`DataParallel`, `ModelParallel`), where the layer sees the global batch:
+    a replica is one position on the mesh's batch axis
+    (`device_mesh`, `batch_dim_name`), and the batch is reshaped to
+    (replicas, per-replica) so each replica's statistics need no collective.
+    Local: each replica's own batch. `synchronized=True`: the global batch,
+    or consecutive groups of `sync_group_size` replicas, whose sums XLA
+    all-reduces. There every replica shares one replicated copy of the
+    moving statistics, which moves towards the average of the replicas' (or
+    groups') moments, the value a `tf.distribute` checkpoint averages to. On
+    JAX without a distribution (or with one replica on the batch axis)
+    `synchronized=True` means the whole batch, as under `tf.distribute`
+    without a strategy. Unequal per-replica batches cannot occur under SPMD.
+
     Batch Renormalization (Ioffe 2017). With `renorm=True`, training uses
     y = γ (r x̂ + d) + β with r = σ_B / σ_R and d = (μ_B − μ_R) / σ_R, where
     σ_B = √(σ²_B + ε) and μ_R, σ_R are moving averages of μ_B and σ_B with
@@ -86,10 +115,10 @@ class BatchNormalization(keras.layers.Layer):
     `compute_dtype`. Under a `mixed_float16` policy inputs up to the float16
     maximum (6.5e4) do not overflow.
 
-    Backends. With local statistics the layer runs on every Keras 3 backend
-    (TensorFlow, JAX, PyTorch). `synchronized=True` needs TensorFlow's
-    `tf.distribute`; on another backend it raises a `ValueError` naming the
-    backend.
+    Backends. With local statistics and ghost batches the layer runs on
+    every Keras 3 backend (TensorFlow, JAX, PyTorch). `synchronized=True`
+    needs TensorFlow's `tf.distribute` or JAX (`keras.distribution`); on
+    PyTorch it raises a `ValueError` naming the backend.
 
     Frozen layers. As in Keras, a layer with `trainable=False` always runs in
     inference mode and never updates its moving statistics.
@@ -111,6 +140,8 @@ class BatchNormalization(keras.layers.Layer):
         sync_group_size: int >= 1 or `None`, default None (all replicas).
             With `synchronized=True`, the replicas per group (see above); it
             must divide the number of replicas in sync.
+        virtual_batch_size: int >= 2 or `None`, default None. Ghost batch
+            size in training (see above); must divide each replica's batch.
         renorm: bool, default False. Batch Renormalization (see above).
         renorm_clipping: dict or `None`, default None; only with
             `renorm=True`. Optional keys "rmax", "rmin", "dmax" (floats);
@@ -148,13 +179,16 @@ class BatchNormalization(keras.layers.Layer):
             `renorm_clipping` or `renorm_momentum`, an axis out of range or an
             undefined feature dimension at build, a training batch whose
             statistics would be over a single value (m = 1) when that is known
-            statically, a mask of the wrong rank, `synchronized=True` on a
-            backend other than TensorFlow,
-            `sync_group_size` < 1 or without `synchronized=True`, and at the
-            first synchronised call a `sync_group_size` that does not divide
-            the replica count.
+            statically, a mask of the wrong rank, `synchronized=True` on
+            PyTorch, `sync_group_size` < 1 or without `synchronized=True`,
+            `virtual_batch_size` < 2, with `synchronized=True` or with the
+            batch axis as a feature axis; at a training call a
+            `sync_group_size` that does not divide the replica count, a
+            `virtual_batch_size` that does not divide a replica's batch, or
+            (`keras.distribution`) a batch that does not split evenly over
+            the replicas.
         TypeError: for non-float inputs, non-bool flags or a non-int
-            `sync_group_size`.
+            `sync_group_size` or `virtual_batch_size`.
         RuntimeError: when a synchronised call runs where its collective
             cannot (inside a `tf.function` nested in `strategy.run`).
 
@@ -162,6 +196,9 @@ class BatchNormalization(keras.layers.Layer):
         S. Ioffe and C. Szegedy, "Batch Normalization: Accelerating Deep
         Network Training by Reducing Internal Covariate Shift", ICML 2015,
         arXiv:1502.03167.
+        E. Hoffer, I. Hubara and D. Soudry, "Train longer, generalize
+        better: closing the generalization gap in large batch training of
+        neural networks", NeurIPS 2017, arXiv:1705.08741.
         S. Ioffe, "Batch Renormalization: Towards Reducing Minibatch
         Dependence in Batch-Normalized Models", NeurIPS 2017,
         arXiv:1702.03275.
@@ -177,6 +214,7 @@ class BatchNormalization(keras.layers.Layer):
         unbiased_variance=False,
         synchronized=False,
         sync_group_size=None,
+        virtual_batch_size=None,
         renorm=False,
         renorm_clipping=None,
         renorm_momentum=0.99,
@@ -202,6 +240,9 @@ class BatchNormalization(keras.layers.Layer):
         self.synchronized = _coerce_bool("synchronized", synchronized)
         self.sync_group_size = _coerce_group_size(
             sync_group_size, self.synchronized
+        )
+        self.virtual_batch_size = _coerce_virtual_batch_size(
+            virtual_batch_size, self.synchronized
         )
         self.renorm = _coerce_bool("renorm", renorm)
         self.renorm_clipping = _coerce_renorm_clipping(renorm_clipping, self.renorm)
@@ -253,6 +294,12 @@ class BatchNormalization(keras.layers.Layer):
             raise ValueError(
                 "Axes must be distinct after resolving negative values for "
                 f"rank {rank}. Received: axis={self.axis}"
+            )
+        if self.virtual_batch_size is not None and 0 in axes:
+            raise ValueError(
+                "virtual_batch_size splits the batch axis 0, which must then "
+                "not be a feature axis. "
+                f"Received: virtual_batch_size={self.virtual_batch_size}, axis={self.axis}"
             )
         self._feature_axes = tuple(sorted(axes))
         for axis in self._feature_axes:
@@ -347,27 +394,7 @@ class BatchNormalization(keras.layers.Layer):
         gamma = self._broadcast(self.gamma, 1.0)
         beta = self._broadcast(self.beta, 0.0)
         if training and self.trainable:
-            weights = self._mask_weights(x, mask)
-            if weights is None:
-                self._check_static_count(inputs.shape)
-            groups = self._replica_groups()
-            count, mean, variance = normalize.batch_moments(
-                x, self._reduction_axes, weights, groups
-            )
-            if self.renorm:
-                r, d = self._renorm_correction(mean, variance)
-                beta = beta + gamma * d
-                gamma = gamma * r
-            y = normalize.normalize_with_batch_statistics(
-                x, gamma, beta, mean, variance, count,
-                axes=self._reduction_axes,
-                epsilon=self.epsilon,
-                weights=weights,
-                groups=groups,
-            )
-            self._update_moving_statistics(
-                self._flat(mean), self._flat(variance), self._flat_count(count)
-            )
+            y = self._normalize_in_training(x, gamma, beta, mask, inputs.shape)
         else:
             y = normalize.normalize_with_statistics(
                 x,
@@ -379,15 +406,85 @@ class BatchNormalization(keras.layers.Layer):
             )
         return ops.cast(y, self.compute_dtype)
 
+    def _normalize_in_training(self, x, gamma, beta, mask, static_shape):
+        """Normalises with batch statistics and updates the moving statistics."""
+        weights = self._mask_weights(x, mask)
+        if weights is None:
+            self._check_static_count(static_shape)
+        groups = self._replica_groups()
+        axes = self._reduction_axes
+        count_slices = 1
+        if 0 in axes:
+            count_slices = slices.count(
+                x.shape[0],
+                replicas=slices.data_parallel_replicas(),
+                synchronized=self.synchronized,
+                group_size=self.sync_group_size,
+                virtual_batch_size=self.virtual_batch_size,
+            )
+        sliced = count_slices != 1
+        if sliced:
+            # Slices of the batch axis normalised on their own (ghost
+            # batches, replicas under keras.distribution): a leading slice
+            # axis, which the statistics do not reduce.
+            self._check_divisible_batch(x)
+            x = slices.split(x, count_slices, self.virtual_batch_size)
+            if weights is not None:
+                batch = ops.shape(x)[0] * ops.shape(x)[1]
+                weights = ops.broadcast_to(weights, (batch, *weights.shape[1:]))
+                weights = slices.split(weights, count_slices, self.virtual_batch_size)
+            axes = (1,) + tuple(a + 1 for a in axes if a != 0)
+            gamma = ops.expand_dims(gamma, 0)
+            beta = ops.expand_dims(beta, 0)
+        count, mean, variance = normalize.batch_moments(x, axes, weights, groups)
+        if self.renorm:
+            r, d = self._renorm_correction(mean, variance)
+            beta = beta + gamma * d
+            gamma = gamma * r
+        y = normalize.normalize_with_batch_statistics(
+            x, gamma, beta, mean, variance, count,
+            axes=axes, epsilon=self.epsilon, weights=weights, groups=groups,
+        )
+        if sliced:
+            y = slices.merge(y)
+            count, mean, variance = slices.pool_moments(count, mean, variance)
+        self._update_moving_statistics(
+            self._flat(mean), self._flat(variance), self._flat_count(count)
+        )
+        return y
+
+    def _check_divisible_batch(self, x):
+        """A clear error where a dynamic batch does not split into ghost batches."""
+        if self.virtual_batch_size is None or x.shape[0] is not None:
+            return
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf  # A run-time check: the batch is only known then.
+
+            tf.debugging.assert_equal(
+                tf.math.floormod(tf.shape(x)[0], self.virtual_batch_size), 0,
+                message=(
+                    f"virtual_batch_size={self.virtual_batch_size} must divide each "
+                    "replica's batch (its size is in the data below)"
+                ),
+                data=[tf.shape(x)[0]],
+            )
+
     def _replica_groups(self):
-        """The replica groups to synchronise over, `None` for local statistics."""
+        """The tf.distribute replica groups to synchronise over, else `None`.
+
+        `None` for local statistics, and on JAX, where `keras.distribution`
+        synchronises through slices of the global batch instead.
+        """
         if not self.synchronized:
             return None
-        if keras.backend.backend() != "tensorflow":
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return None
+        if backend != "tensorflow":
             raise ValueError(
-                "synchronized=True needs the TensorFlow backend (tf.distribute) "
-                f"and is not supported on the {keras.backend.backend()} backend. "
-                "Received: synchronized=True"
+                "synchronized=True needs TensorFlow's tf.distribute or JAX's "
+                f"keras.distribution and is not supported on the {backend} "
+                "backend. Received: synchronized=True"
             )
         return moments.replica_groups(
             moments.sync_replica_context(), self.sync_group_size
@@ -504,6 +601,7 @@ class BatchNormalization(keras.layers.Layer):
                 "unbiased_variance": self.unbiased_variance,
                 "synchronized": self.synchronized,
                 "sync_group_size": self.sync_group_size,
+                "virtual_batch_size": self.virtual_batch_size,
                 "renorm": self.renorm,
                 "renorm_clipping": self.renorm_clipping,
                 "renorm_momentum": self.renorm_momentum,
@@ -637,6 +735,29 @@ def _coerce_group_size(group_size, synchronized):
             f"Received: sync_group_size={group_size}, synchronized=False"
         )
     return int(group_size)
+
+
+def _coerce_virtual_batch_size(size, synchronized):
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(
+            "Expected `virtual_batch_size` to be an int or None. "
+            f"Received: virtual_batch_size={size!r}"
+        )
+    if size < 2:
+        raise ValueError(
+            "Expected `virtual_batch_size` >= 2 (a ghost batch of one example "
+            f"has no spread to normalise). Received: virtual_batch_size={size}"
+        )
+    if synchronized:
+        raise ValueError(
+            "Ghost batches are sub-batches of one replica's batch, normalised "
+            "on their own, while synchronized=True merges batches across "
+            "replicas; use one or the other. "
+            f"Received: virtual_batch_size={size}, synchronized=True"
+        )
+    return int(size)
 
 
 def _coerce_bool(name, value):

@@ -12,6 +12,7 @@ so local statistics need no TensorFlow.
 
 import contextlib
 
+import keras
 from keras import ops
 
 
@@ -37,12 +38,20 @@ def local_moments(x, axes, weights=None):
         for axis in axes:
             count = count * shape[axis]
         count = ops.cast(count, x.dtype)
-        # Two-pass moments (fused squared difference on TensorFlow); an empty
-        # batch yields NaN there, replaced by zeros.
-        mean, variance = ops.moments(x, axes, keepdims=True)
         has_values = count > 0.0
+        if keras.backend.backend() == "tensorflow":
+            # Two-pass moments (fused squared difference); an empty batch
+            # yields NaN there, replaced by zeros.
+            mean, variance = ops.moments(x, axes, keepdims=True)
+            m2 = variance * count
+        else:
+            # Two passes written out: Keras' JAX moments computes the mean
+            # twice (mean and var), which under keras.distribution costs one
+            # more all-reduce of C floats for synchronised statistics.
+            mean = ops.mean(x, axis=axes, keepdims=True)
+            m2 = ops.sum(ops.square(x - mean), axis=axes, keepdims=True)
         mean = ops.where(has_values, mean, 0.0)
-        m2 = ops.where(has_values, variance * count, 0.0)
+        m2 = ops.where(has_values, m2, 0.0)
     else:
         # The count of each statistic: per feature when the mask varies
         # across features (a mask over the feature axis), else one value.

@@ -94,13 +94,23 @@ def normalize_with_batch_statistics(
             # The statistics' own cotangents are zero: their dependence on x
             # is already in dx.
             return (
-                dx, sum_dy_xhat, sum_dy,
+                dx, _sum_to_shape(sum_dy_xhat, gamma.shape), _sum_to_shape(sum_dy, beta.shape),
                 ops.zeros_like(mean), ops.zeros_like(variance), ops.zeros_like(count),
             )
 
         return y, grad
 
     return forward(x, gamma, beta, mean, variance, count)
+
+
+def _sum_to_shape(value, shape):
+    """Sums `value` over the axes that `shape` broadcasts (size 1 there).
+
+    With batch slices (ghost batches) the per-slice sums Σ g and Σ g x̂ have
+    a slice axis that γ and β, shared by all slices, do not.
+    """
+    axes = tuple(i for i, (v, t) in enumerate(zip(value.shape, shape)) if t == 1 and v != 1)
+    return ops.sum(value, axis=axes, keepdims=True) if axes else value
 
 
 def normalize_with_statistics(x, mean, variance, gamma, beta, epsilon):

@@ -86,3 +86,86 @@ def count_all_reduces(layer, x, num_replicas):
         forward = list(context.floats)
         tape.gradient(y, x)
     return forward, context.floats[len(forward):]
+
+
+def reference_sliced_batch_norm(x, upstream, gamma, beta, slices, epsilon):
+    """Training BN of a 2-D batch split into `slices` consecutive slices, in float64.
+
+    Each slice of B/S examples is normalised with its own moments; the
+    gradients follow the paper's backward pass per slice, with upstream
+    gradient `upstream` (the loss is Σ upstream·y).
+
+    Returns:
+        dict with "y", "dx", "dgamma", "dbeta", and "mean", "variance":
+        the slices' mean moments (the pooled mean and within-slice
+        variance the layer's moving statistics move towards).
+    """
+    x = np.asarray(x, np.float64).reshape(slices, -1, np.shape(x)[-1])
+    g = np.asarray(upstream, np.float64).reshape(x.shape)
+    m = x.shape[1]
+    mean = x.mean(1, keepdims=True)
+    variance = ((x - mean) ** 2).mean(1, keepdims=True)
+    inv = 1.0 / np.sqrt(variance + epsilon)
+    x_hat = (x - mean) * inv
+    y = gamma * x_hat + beta
+    sum_g, sum_g_xhat = g.sum(1, keepdims=True), (g * x_hat).sum(1, keepdims=True)
+    dx = gamma * inv * (g - (sum_g + x_hat * sum_g_xhat) / m)
+    flat = (-1, x.shape[-1])
+    return {
+        "y": y.reshape(flat), "dx": dx.reshape(flat),
+        "dgamma": sum_g_xhat.sum((0, 1)), "dbeta": sum_g.sum((0, 1)),
+        "mean": mean.mean((0, 1)), "variance": variance.mean((0, 1)),
+    }
+
+
+def hlo_all_reduces(hlo_text):
+    """`(count, floats)` of the all-reduces in compiled HLO text.
+
+    `floats` sums the element counts of each all-reduce's result (a tuple
+    all-reduce counts each element), as one device sends them.
+    """
+    import re
+
+    count = floats = 0
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
+        if not match:
+            continue
+        count += 1
+        for dims in re.findall(r"\b(?:f|bf|s|u)\d+\[([\d,]*)\]", match.group(1)):
+            floats += int(np.prod([int(d) for d in dims.split(",") if d]))
+    return count, floats
+
+
+def make_jax_training_step(layer):
+    """One jitted training step of `layer` on JAX, and its weights' values.
+
+    The step is the layer's stateless training call, the gradients of
+    Σ upstream·y with respect to the trainable weights and the input, and
+    the updated moving statistics, as one program.
+
+    Returns:
+        `(step, trainable, non_trainable)`, where
+        `step(trainable, non_trainable, x, upstream)` returns
+        `(y, (weight_grads, dx), updated_non_trainable)`.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def step(trainable, non_trainable, x, upstream):
+        def loss(trainable, x):
+            y, updated = layer.stateless_call(trainable, non_trainable, x, training=True)
+            return jnp.sum(y * upstream), (y, updated)
+
+        (_, (y, updated)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(trainable, x)
+        return y, grads, updated
+
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+    return jax.jit(step), trainable, non_trainable
+
+
+def jax_training_step_hlo(layer, x, upstream):
+    """Compiled HLO text of `make_jax_training_step(layer)` for inputs laid out by the caller."""
+    step, trainable, non_trainable = make_jax_training_step(layer)
+    return step.lower(trainable, non_trainable, x, upstream).compile().as_text()

@@ -1,0 +1,200 @@
+"""The layer under Keras 3's `keras.distribution` on JAX, over 8 host devices.
+
+Runs only under `KERAS_BACKEND=jax` in its own process (`.ci/run`), where
+`conftest.py` sets `XLA_FLAGS=--xla_force_host_platform_device_count=8`
+before JAX starts, so `DataParallel` runs real XLA collectives over 8 CPU
+devices. Every step here is jitted with the input laid out over the batch
+axis, as `fit` does. Under SPMD every replica holds the same number of
+examples, so unequal slices cannot be tested here (the tf.distribute tests
+cover them).
+"""
+
+import keras
+import numpy as np
+import pytest
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import keras_bn
+from keras_bn import testing
+
+if keras.backend.backend() != "jax":
+    pytest.skip(
+        "keras.distribution tests run under KERAS_BACKEND=jax in their own process (.ci/run)",
+        allow_module_level=True,
+    )
+
+import jax  # noqa: E402
+
+REPLICAS, BATCH, CHANNELS = 8, 64, 5
+EPSILON = 1e-3
+
+# Each of the 8 replicas' 8-example slice has its own mean, so local, grouped
+# and global statistics all differ.
+_RNG = np.random.RandomState(0)
+X = (_RNG.randn(BATCH, CHANNELS) * 2.0 + np.repeat(np.arange(REPLICAS) * 3.0 - 10.0, BATCH // REPLICAS)[:, None]).astype(
+    np.float32
+)
+UPSTREAM = _RNG.randn(BATCH, CHANNELS).astype(np.float32)
+GAMMA = np.linspace(0.5, 1.5, CHANNELS).astype(np.float32)
+BETA = np.linspace(-1.0, 1.0, CHANNELS).astype(np.float32)
+
+SETTINGS = (
+    ("local", {}, REPLICAS),
+    ("global", {"synchronized": True}, 1),
+    ("group2", {"synchronized": True, "sync_group_size": 2}, 4),
+    ("group4", {"synchronized": True, "sync_group_size": 4}, 2),
+    ("ghost", {"virtual_batch_size": 4}, BATCH // 4),
+)
+
+
+def _data_parallel():
+    return keras.distribution.DataParallel(devices=jax.devices()[:REPLICAS])
+
+
+def _distribute(distribution, array):
+    return keras.distribution.distribute_tensor(array, distribution.get_data_layout(array.shape))
+
+
+def _layer(momentum=0.5, **kwargs):
+    layer = keras_bn.BatchNormalization(momentum=momentum, epsilon=EPSILON, **kwargs)
+    layer.build((BATCH, CHANNELS))
+    layer.gamma.assign(GAMMA)
+    layer.beta.assign(BETA)
+    return layer
+
+
+def _moving(layer, updated, name):
+    names = [v.name for v in layer.non_trainable_variables]
+    return np.asarray(updated[names.index(name)], np.float64)
+
+
+class JaxDistributionTest(parameterized.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        # Fewer devices means the XLA flag came too late: fail, do not skip.
+        self.assertGreaterEqual(jax.device_count(), REPLICAS, "set XLA_FLAGS before JAX starts (conftest.py)")
+
+    @parameterized.named_parameters(*SETTINGS)
+    def test_matches_float64_reference_on_regrouped_batch(self, kwargs, slices):
+        distribution = _data_parallel()
+        with distribution.scope():
+            layer = _layer(**kwargs)
+            step, trainable, non_trainable = testing.make_jax_training_step(layer)
+            y, ((dgamma, dbeta), dx), updated = step(
+                trainable, non_trainable, _distribute(distribution, X), _distribute(distribution, UPSTREAM)
+            )
+        expected = testing.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, slices, EPSILON)
+        for name, value in (("y", y), ("dx", dx), ("dgamma", dgamma), ("dbeta", dbeta)):
+            np.testing.assert_allclose(np.asarray(value, np.float64), expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(_moving(layer, updated, "moving_mean"), 0.5 * expected["mean"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            _moving(layer, updated, "moving_variance"), 0.5 + 0.5 * expected["variance"], rtol=1e-5
+        )
+
+    @parameterized.named_parameters(("global", None), ("group2", 2))
+    def test_large_offset_variance_at_first_step(self, group_size):
+        x = (1e4 + np.random.RandomState(1).randn(BATCH, CHANNELS)).astype(np.float32)
+        distribution = _data_parallel()
+        with distribution.scope():
+            layer = _layer(momentum=0.0, synchronized=True, sync_group_size=group_size)
+            step, trainable, non_trainable = testing.make_jax_training_step(layer)
+            _, _, updated = step(
+                trainable, non_trainable, _distribute(distribution, x), _distribute(distribution, UPSTREAM)
+            )
+        slices = 1 if group_size is None else REPLICAS // group_size
+        expected = testing.reference_sliced_batch_norm(x, UPSTREAM, GAMMA, BETA, slices, EPSILON)
+        np.testing.assert_allclose(_moving(layer, updated, "moving_variance"), expected["variance"], rtol=1e-3)
+
+    def test_fit_with_synchronized_layer_matches_single_device(self):
+        rng = np.random.RandomState(2)
+        # Per-replica offsets, so that local statistics differ from global ones.
+        offsets = np.tile(np.repeat(np.arange(REPLICAS) * 2.0, BATCH // REPLICAS), 4)[:, None]
+        x = (rng.randn(4 * BATCH, 12) * 3 + 2 + offsets).astype(np.float32)
+        # Labels follow the offsets: only statistics across replicas keep them.
+        y = np.tile(np.repeat(np.arange(REPLICAS) % 3, BATCH // REPLICAS), 4)
+
+        def build(synchronized=True):
+            model = keras.Sequential([
+                keras.Input((12,)),
+                keras.layers.Dense(16, use_bias=False),
+                keras_bn.BatchNormalization(synchronized=synchronized),
+                keras.layers.Activation("sigmoid"),
+                keras.layers.Dense(3),
+            ])
+            model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return model
+
+        keras.utils.set_random_seed(0)
+        single = build()
+        weights = single.get_weights()
+        single_losses = single.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0).history["loss"]
+        distribution = _data_parallel()
+        with distribution.scope():
+            parallel = build()
+            parallel.set_weights(weights)
+            parallel_losses = parallel.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0).history["loss"]
+        np.testing.assert_allclose(parallel_losses, single_losses, rtol=1e-5)
+        # With each replica's own statistics the run differs (so the check
+        # above can fail).
+        with distribution.scope():
+            local = build(synchronized=False)
+            local.set_weights(weights)
+            local_losses = local.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0).history["loss"]
+        self.assertGreater(abs(local_losses[-1] - single_losses[-1]), 1e-2 * single_losses[-1])
+
+    def test_keras_layer_normalises_with_the_global_batch(self):
+        # The fact behind README's engine table: Keras' own layer, under
+        # DataParallel, takes the global batch's statistics.
+        distribution = _data_parallel()
+        with distribution.scope():
+            layer = keras.layers.BatchNormalization(momentum=0.0)
+            layer.build((BATCH, CHANNELS))
+            step, trainable, non_trainable = testing.make_jax_training_step(layer)
+            _, _, updated = step(trainable, non_trainable, _distribute(distribution, X), _distribute(distribution, UPSTREAM))
+        np.testing.assert_allclose(_moving(layer, updated, "moving_mean"), X.astype(np.float64).mean(0), rtol=1e-5)
+
+    def test_synchronized_without_distribution_is_the_whole_batch(self):
+        layer = _layer(synchronized=True, sync_group_size=2)
+        y = keras.ops.convert_to_numpy(layer(X, training=True))
+        expected = testing.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, 1, EPSILON)
+        np.testing.assert_allclose(y, expected["y"], rtol=1e-5, atol=1e-5)
+
+    def test_hlo_traffic(self):
+        # Local and ghost statistics need no collective: the step's one
+        # all-reduce is the γ/β gradients' (4 floats per channel with the
+        # moving statistics' average); global carries fewer floats than
+        # Keras' layer; groups reduce within their replicas.
+        traffic = {}
+        distribution = _data_parallel()
+        x, upstream = _distribute(distribution, X), _distribute(distribution, UPSTREAM)
+        with distribution.scope():
+            traffic["keras"] = testing.hlo_all_reduces(_keras_hlo(x, upstream))
+            for name, kwargs, _ in SETTINGS:
+                traffic[name] = testing.hlo_all_reduces(testing.jax_training_step_hlo(_layer(**kwargs), x, upstream))
+        self.assertEqual(traffic["local"], (1, 4 * CHANNELS))
+        self.assertEqual(traffic["ghost"], (1, 4 * CHANNELS))
+        self.assertLessEqual(traffic["global"][1], traffic["keras"][1])
+        self.assertEqual(traffic["global"], (2, 4 * CHANNELS))
+
+    @parameterized.named_parameters(
+        ("uneven_batch", {}, 60, r"must split evenly over the 8 replicas.*batch_size=60"),
+        ("group_size", {"synchronized": True, "sync_group_size": 3}, BATCH, r"sync_group_size=3 must divide the 8 replicas"),
+        ("ghost", {"virtual_batch_size": 3}, BATCH, r"virtual_batch_size=3 must divide each replica's batch of 8"),
+    )
+    def test_rejects(self, kwargs, batch, pattern):
+        with _data_parallel().scope():
+            layer = _layer(**kwargs)
+            with self.assertRaisesRegex(ValueError, pattern):
+                layer(X[:batch], training=True)
+
+
+def _keras_hlo(x, upstream):
+    layer = keras.layers.BatchNormalization()
+    layer.build((BATCH, CHANNELS))
+    return testing.jax_training_step_hlo(layer, x, upstream)
+
+
+if __name__ == "__main__":
+    absltest.main()
