@@ -12,9 +12,16 @@ and groups K in {R, 8, 2} (K <= R), C = 256 channels, by running the layer's
 training call under a counting stand-in replica context (replica 0 of R), and
 prints one line per case.
 
+With `--hlo` it prints the all-reduces XLA compiles into one layer's
+training step under Keras 3's `keras.distribution.DataParallel` on JAX over
+8 host devices, for Keras' layer and for local, ghost, global and grouped
+statistics (`benchmarks/hlo_traffic.py`, run in its own process because
+JAX must start with the XLA flag).
+
 Run:
     python -m benchmarks.sync_speed
     python -m benchmarks.sync_speed --payload
+    python -m benchmarks.sync_speed --hlo
 """
 
 import os
@@ -38,6 +45,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed samples per model.", lower_bo
 _SYNC = flags.DEFINE_bool("synchronized", True, "Synchronise the moments (False: local-moment baseline).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Steps per sample.", lower_bound=1)
 _PAYLOAD = flags.DEFINE_bool("payload", False, "Print the counted all-reduce payloads instead of timing.")
+_HLO = flags.DEFINE_bool(
+    "hlo", False, "Print the all-reduces of the compiled JAX training step under DataParallel instead of timing."
+)
 
 PAYLOAD_REPLICAS = (2, 8, 64, 1024)
 PAYLOAD_CHANNELS = 256
@@ -119,6 +129,13 @@ def make_step(strategy, bn_factory, global_batch):
 
 def main(argv):
     del argv
+    if _HLO.value:
+        import subprocess
+        import sys
+
+        # JAX reads XLA_FLAGS when it starts: a process of its own.
+        subprocess.run([sys.executable, "-m", "benchmarks.hlo_traffic"], check=True)
+        return
     if _PAYLOAD.value:
         print("\n".join(payload_lines()))
         return

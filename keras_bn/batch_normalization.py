@@ -427,7 +427,7 @@ class BatchNormalization(keras.layers.Layer):
             # Slices of the batch axis normalised on their own (ghost
             # batches, replicas under keras.distribution): a leading slice
             # axis, which the statistics do not reduce.
-            self._check_divisible_batch(x)
+            x = self._check_divisible_batch(x)
             x = slices.split(x, count_slices, self.virtual_batch_size)
             if weights is not None:
                 batch = ops.shape(x)[0] * ops.shape(x)[1]
@@ -454,20 +454,24 @@ class BatchNormalization(keras.layers.Layer):
         return y
 
     def _check_divisible_batch(self, x):
-        """A clear error where a dynamic batch does not split into ghost batches."""
+        """`x`, checked (at run time) to split into ghost batches when its batch is dynamic.
+
+        Only TensorFlow traces with an unknown batch size; the check comes
+        before the reshape, whose own error would not name the ghost size.
+        """
         if self.virtual_batch_size is None or x.shape[0] is not None:
-            return
+            return x
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf  # A run-time check: the batch is only known then.
 
-            tf.debugging.assert_equal(
-                tf.math.floormod(tf.shape(x)[0], self.virtual_batch_size), 0,
-                message=(
-                    f"virtual_batch_size={self.virtual_batch_size} must divide each "
-                    "replica's batch (its size is in the data below)"
-                ),
-                data=[tf.shape(x)[0]],
+            batch = tf.shape(x)[0]
+            check = tf.debugging.Assert(
+                tf.equal(tf.math.floormod(batch, self.virtual_batch_size), 0),
+                [f"virtual_batch_size={self.virtual_batch_size} must divide each replica's batch of", batch, "examples"],
             )
+            with tf.control_dependencies([check]):
+                return tf.identity(x)
+        return x
 
     def _replica_groups(self):
         """The tf.distribute replica groups to synchronise over, else `None`.

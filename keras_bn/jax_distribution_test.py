@@ -129,19 +129,19 @@ class JaxDistributionTest(parameterized.TestCase):
         keras.utils.set_random_seed(0)
         single = build()
         weights = single.get_weights()
-        single_losses = single.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0).history["loss"]
+        single_losses = single.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[testing.OneStepInFlight.callback()]).history["loss"]
         distribution = _data_parallel()
         with distribution.scope():
             parallel = build()
             parallel.set_weights(weights)
-            parallel_losses = parallel.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0).history["loss"]
+            parallel_losses = parallel.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[testing.OneStepInFlight.callback()]).history["loss"]
         np.testing.assert_allclose(parallel_losses, single_losses, rtol=1e-5)
         # With each replica's own statistics the run differs (so the check
         # above can fail).
         with distribution.scope():
             local = build(synchronized=False)
             local.set_weights(weights)
-            local_losses = local.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0).history["loss"]
+            local_losses = local.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[testing.OneStepInFlight.callback()]).history["loss"]
         self.assertGreater(abs(local_losses[-1] - single_losses[-1]), 1e-2 * single_losses[-1])
 
     def test_keras_layer_normalises_with_the_global_batch(self):
@@ -162,10 +162,10 @@ class JaxDistributionTest(parameterized.TestCase):
         np.testing.assert_allclose(y, expected["y"], rtol=1e-5, atol=1e-5)
 
     def test_hlo_traffic(self):
-        # Local and ghost statistics need no collective: the step's one
-        # all-reduce is the γ/β gradients' (4 floats per channel with the
-        # moving statistics' average); global carries fewer floats than
-        # Keras' layer; groups reduce within their replicas.
+        # Local and ghost statistics need no collective: what the step
+        # all-reduces is the γ/β gradients and the moving statistics'
+        # average over replicas (4 floats per channel); global carries fewer
+        # floats than Keras' layer.
         traffic = {}
         distribution = _data_parallel()
         x, upstream = _distribute(distribution, X), _distribute(distribution, UPSTREAM)
@@ -173,10 +173,16 @@ class JaxDistributionTest(parameterized.TestCase):
             traffic["keras"] = testing.hlo_all_reduces(_keras_hlo(x, upstream))
             for name, kwargs, _ in SETTINGS:
                 traffic[name] = testing.hlo_all_reduces(testing.jax_training_step_hlo(_layer(**kwargs), x, upstream))
-        self.assertEqual(traffic["local"], (1, 4 * CHANNELS))
-        self.assertEqual(traffic["ghost"], (1, 4 * CHANNELS))
-        self.assertLessEqual(traffic["global"][1], traffic["keras"][1])
-        self.assertEqual(traffic["global"], (2, 4 * CHANNELS))
+        # (How many ops XLA's combiner makes of them may vary by version;
+        # the floats may not.)
+        for name in ("local", "ghost"):
+            self.assertEqual(traffic[name][1], 4 * CHANNELS, name)
+        self.assertEqual(traffic["global"][1], 4 * CHANNELS)
+        self.assertLess(traffic["global"][1], traffic["keras"][1])
+        # Groups add the cross-group sums of the γ/β gradients and moving
+        # statistics (4C) to their within-group statistics (4C).
+        for name in ("group2", "group4"):
+            self.assertEqual(traffic[name][1], 8 * CHANNELS, name)
 
     @parameterized.named_parameters(
         ("uneven_batch", {}, 60, r"must split evenly over the 8 replicas.*batch_size=60"),

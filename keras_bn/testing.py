@@ -169,3 +169,26 @@ def jax_training_step_hlo(layer, x, upstream):
     """Compiled HLO text of `make_jax_training_step(layer)` for inputs laid out by the caller."""
     step, trainable, non_trainable = make_jax_training_step(layer)
     return step.lower(trainable, non_trainable, x, upstream).compile().as_text()
+
+
+class OneStepInFlight:
+    """Makes `fit` wait for each step: `callbacks=[OneStepInFlight.callback()]`.
+
+    For `keras.distribution` over emulated host devices (JAX,
+    `--xla_force_host_platform_device_count`), which share the machine's few
+    cores: with steps dispatched ahead, the device threads of several
+    steps' programs can fill XLA's CPU thread pool, each program waiting in
+    its all-reduce rendezvous for the device threads it lacks (XLA aborts
+    after 40 s). A per-batch hook that is not async-safe makes Keras convert
+    each step's logs on the training thread, i.e. wait for the step.
+    """
+
+    @staticmethod
+    def callback():
+        import keras
+
+        class _Wait(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                del batch, logs  # Keras has already waited for the logs.
+
+        return _Wait()

@@ -47,6 +47,7 @@ from flags import run_flags as run_flags
 from flags import training_flags as training_flags
 from trainers import loops
 from trainers import mnist_data
+from trainers import mnist_model
 from trainers import mnist_report
 from trainers import strategy as strategy_lib
 from trainers import summaries
@@ -77,37 +78,13 @@ TRAIN_SUBSET = flags.DEFINE_integer(
 )
 
 DEFAULTS = {"train_steps": 50_000, "batch_size": 60, "learning_rate": 0.5, "eval_every": 500}
-RUN_NAMES = {"none": "baseline", "batch_norm": "batch_norm"}
-HIDDEN_UNITS = (100, 100, 100)
+RUN_NAMES = mnist_model.RUN_NAMES
+HIDDEN_UNITS = mnist_model.HIDDEN_UNITS
 PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, c follows.
 PERCENTILES = mnist_report.PERCENTILES
 
 
-def build_model(norm, init_std, seed, sync_batch_norm=False, sync_group_size=None):
-    """Returns `(model, probe)`: the classifier and its pre-activation outputs.
-
-    `model` maps 784 inputs to 10 logits; `probe` maps them to the inputs of
-    the three sigmoid layers (the pre-activations). The BN layers synchronise
-    their moments across replicas with `sync_batch_norm`, over groups of
-    `sync_group_size` replicas when that is set.
-    """
-    initializer = lambda i: keras.initializers.RandomNormal(stddev=init_std, seed=seed + i)
-    inputs = keras.Input((784,), name="image")
-    h = inputs
-    pre_activations = []
-    for i, units in enumerate(HIDDEN_UNITS, start=1):
-        h = keras.layers.Dense(
-            units, use_bias=norm == "none", kernel_initializer=initializer(i), name=f"dense_{i}"
-        )(h)
-        if norm == "batch_norm":
-            h = keras_bn.BatchNormalization(
-                synchronized=sync_batch_norm, sync_group_size=sync_group_size, name=f"bn_{i}"
-            )(h)
-        pre_activations.append(h)
-        h = keras.layers.Activation("sigmoid", name=f"sigmoid_{i}")(h)
-    logits = keras.layers.Dense(10, kernel_initializer=initializer(0), name="logits")(h)
-    model = keras.Model(inputs, logits, name=f"mnist_{RUN_NAMES[norm]}")
-    return model, keras.Model(inputs, pre_activations, name="probe")
+build_model = mnist_model.build_model
 
 
 @dataclasses.dataclass(frozen=True)
