@@ -719,49 +719,45 @@ def _coerce_epsilon(epsilon):
     return epsilon
 
 
-def _coerce_group_size(group_size, synchronized):
-    if group_size is None:
+def _coerce_optional_int(name, value, minimum, why=""):
+    """None, or `value` as an int >= minimum; `why` explains the bound."""
+    if value is None:
         return None
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
-            "Expected `sync_group_size` to be an int or None. "
-            f"Received: sync_group_size={group_size!r}"
+            f"Expected `{name}` to be an int or None. Received: {name}={value!r}"
         )
-    if group_size < 1:
+    if value < minimum:
         raise ValueError(
-            "Expected `sync_group_size` >= 1. "
-            f"Received: sync_group_size={group_size}"
+            f"Expected `{name}` >= {minimum}{why}. Received: {name}={value}"
         )
-    if not synchronized:
+    return int(value)
+
+
+def _coerce_group_size(group_size, synchronized):
+    group_size = _coerce_optional_int("sync_group_size", group_size, 1)
+    if group_size is not None and not synchronized:
         raise ValueError(
             "`sync_group_size` groups replicas for synchronised statistics and "
             "needs synchronized=True. "
             f"Received: sync_group_size={group_size}, synchronized=False"
         )
-    return int(group_size)
+    return group_size
 
 
 def _coerce_virtual_batch_size(size, synchronized):
-    if size is None:
-        return None
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-        raise TypeError(
-            "Expected `virtual_batch_size` to be an int or None. "
-            f"Received: virtual_batch_size={size!r}"
-        )
-    if size < 2:
-        raise ValueError(
-            "Expected `virtual_batch_size` >= 2 (a ghost batch of one example "
-            f"has no spread to normalise). Received: virtual_batch_size={size}"
-        )
-    if synchronized:
+    size = _coerce_optional_int(
+        "virtual_batch_size", size, 2,
+        " (a ghost batch of one example has no spread to normalise)",
+    )
+    if size is not None and synchronized:
         raise ValueError(
             "Ghost batches are sub-batches of one replica's batch, normalised "
             "on their own, while synchronized=True merges batches across "
             "replicas; use one or the other. "
             f"Received: virtual_batch_size={size}, synchronized=True"
         )
-    return int(size)
+    return size
 
 
 def _coerce_bool(name, value):

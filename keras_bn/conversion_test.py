@@ -5,10 +5,10 @@ from absl.testing import parameterized
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_bn
 from keras_bn import population
+from keras_bn import testing
 
 
 def _bn_classes(model):
@@ -80,14 +80,16 @@ class ConvertTest(parameterized.TestCase):
 
     def test_overrides_apply_to_every_batch_norm(self):
         model = _nested_model()
-        converted = keras_bn.convert_batch_norm(model, unbiased_variance=True, momentum=None)
+        converted = keras_bn.convert_batch_norm(
+            model, unbiased_variance=True, momentum=None, virtual_batch_size=4)
         for layer in population.batch_norm_layers(converted):
             self.assertTrue(layer.unbiased_variance)
             self.assertIsNone(layer.momentum)
+            self.assertEqual(layer.virtual_batch_size, 4)
 
     @parameterized.named_parameters(
         ("not_a_model", keras.layers.Dense(2), {}, TypeError, r"needs a Keras model. Received: model=Dense"),
-        ("unknown_override", None, {"virtual_batch_size": 4}, TypeError, r"\['virtual_batch_size'\] are not keras_bn"),
+        ("unknown_override", None, {"num_groups": 4}, TypeError, r"\['num_groups'\] are not keras_bn"),
         ("bad_override_value", None, {"momentum": 2.0}, ValueError, r"Received: momentum=2.0"),
     )
     def test_rejects(self, model, overrides, error, pattern):
@@ -130,7 +132,7 @@ def _check_application(test, build, synchronised_step=True):
 def _check_synchronised_step(test, model, x, classes):
     """Converted in a strategy's scope with synchronised moments: the copy's
     variables belong to the strategy and a training step runs."""
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy = testing.mirrored_cpu_strategy(2)
     with strategy.scope():
         synced = keras_bn.convert_batch_norm(model, synchronized=True)
         synced.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -87,9 +87,7 @@ class GhostBatchTest(parameterized.TestCase):
             step(tf.constant(x[:10]), tf.constant(upstream[:10]))
 
     def test_mirrored_strategy_each_replica_its_own_ghost_batches(self):
-        strategy = tf.distribute.MirroredStrategy(
-            ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
-        )
+        strategy = testing.mirrored_cpu_strategy(2)
         x, upstream = _data((16, 3), 4), _data((16, 3), 5, 0.0, 1.0)
         with strategy.scope():
             layer = _layer()

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 
 import keras_bn
+from keras_bn import testing
 from tests import tensorboard_events
 
 
@@ -23,6 +24,12 @@ def _model(synchronized=False):
     ])
 
 
+def _compiled_model(steps_per_execution=1, synchronized=False):
+    model = _model(synchronized=synchronized)
+    model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
+    return model
+
+
 def _data(n=64, seed=0):
     rng = np.random.RandomState(seed)
     x = (rng.randn(n, 6) * 3 + 5).astype(np.float32)
@@ -32,10 +39,7 @@ def _data(n=64, seed=0):
 class MonitorTest(parameterized.TestCase):
 
     def test_fit_logs_every_layer_every_n_steps(self):
-        log_dir = tempfile.mkdtemp()
-        x, y = _data()
-        model = _model()
-        model.compile("sgd", "mse")
+        log_dir, (x, y), model = tempfile.mkdtemp(), _data(), _compiled_model()
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:32], every_n_steps=2)
         model.fit(x, y, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)  # 8 steps.
         tags = tensorboard_events.read_events(log_dir)
@@ -51,10 +55,8 @@ class MonitorTest(parameterized.TestCase):
                 self.assertAlmostEqual(tags[f"{layer.name}/{name}"][-1][1], value, places=4)
 
     def test_steps_per_execution_still_logs_on_schedule(self):
-        log_dir = tempfile.mkdtemp()
-        x, y = _data()
-        model = _model()
-        model.compile("sgd", "mse", steps_per_execution=3)
+        log_dir, (x, y) = tempfile.mkdtemp(), _data()
+        model = _compiled_model(steps_per_execution=3)
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=4)
         model.fit(x, y, batch_size=4, epochs=1, callbacks=[monitor], verbose=0)  # 16 steps, hooks at 3, 6, ...
         tags = tensorboard_events.read_events(log_dir)
@@ -91,10 +93,7 @@ class MonitorTest(parameterized.TestCase):
             self.assertLess(value, 1e-4)
 
     def test_grouped_aggregates(self):
-        log_dir = tempfile.mkdtemp()
-        x, y = _data()
-        model = _model()
-        model.compile("sgd", "mse")
+        log_dir, (x, y), model = tempfile.mkdtemp(), _data(), _compiled_model()
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=4, group_by=lambda name: "stage_" + name[-1])
         model.fit(x, y, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)
         tags = tensorboard_events.read_events(log_dir)
@@ -108,10 +107,7 @@ class MonitorTest(parameterized.TestCase):
         self.assertNotIn("bn_a/train_inference_gap", tags)
 
     def test_multi_steps_epochs_continue_the_count(self):
-        log_dir = tempfile.mkdtemp()
-        x, y = _data()
-        model = _model()
-        model.compile("sgd", "mse")
+        log_dir, (x, y), model = tempfile.mkdtemp(), _data(), _compiled_model()
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=3)
         model.fit(x, y, batch_size=8, epochs=2, callbacks=[monitor], verbose=0)  # 2 x 8 steps.
         model.fit(x, y, batch_size=16, epochs=1, callbacks=[monitor], verbose=0)  # Steps 17-20.
@@ -119,14 +115,9 @@ class MonitorTest(parameterized.TestCase):
         self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [3, 6, 9, 12, 15, 18])
 
     def test_mirrored_strategy_probes_the_first_replica(self):
-        import tensorflow as tf
-
-        log_dir = tempfile.mkdtemp()
-        x, y = _data()
-        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
-        with strategy.scope():
-            model = _model(synchronized=True)
-            model.compile("sgd", "mse")
+        log_dir, (x, y) = tempfile.mkdtemp(), _data()
+        with testing.mirrored_cpu_strategy(2).scope():
+            model = _compiled_model(synchronized=True)
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:32], every_n_steps=2)
         model.fit(x, y, batch_size=16, epochs=1, callbacks=[monitor], verbose=0)  # 4 steps.
         tags = tensorboard_events.read_events(log_dir)

@@ -1,6 +1,5 @@
 """Synchronised moments under MirroredStrategy on logical CPU devices."""
 
-import functools
 import os
 import tempfile
 
@@ -21,24 +20,6 @@ from keras_bn import normalize  # noqa: E402
 from keras_bn import testing  # noqa: E402
 
 BatchNormalization = batch_normalization.BatchNormalization
-
-
-@functools.lru_cache(maxsize=None)
-def _strategy(num_replicas):
-    """One strategy per replica count for the whole process.
-
-    Collective all-reduce keys are process-global: a second collective
-    strategy restarts at group key 1 and the runtime rejects it ("joining a
-    group with size 4, but that group has size 2"). So the 4-replica strategy
-    is the one using collective ops (CPU's default), and the 2-replica one
-    reduces through one device, MirroredStrategy's other supported mode.
-    """
-    devices = [f"/cpu:{i}" for i in range(num_replicas)]
-    if num_replicas == 4:
-        return tf.distribute.MirroredStrategy(devices)
-    return tf.distribute.MirroredStrategy(
-        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
-    )
 
 
 def _per_replica(strategy, parts):
@@ -74,7 +55,7 @@ def _single_device(shape_kwargs, x, w, steps, mask=None, **kwargs):
 
 
 def _mirrored(num_replicas, sizes, shape_kwargs, x, w, steps, mask=None, **kwargs):
-    strategy = _strategy(num_replicas)
+    strategy = testing.mirrored_cpu_strategy(num_replicas)
     with strategy.scope():
         layer = BatchNormalization(synchronized=True, **shape_kwargs, **kwargs)
         layer.build((None,) + x.shape[1:])
@@ -266,12 +247,12 @@ class MirroredTest(parameterized.TestCase):
         actual = _layer_step(layer)(tf.constant(x), tf.constant(w))
         for a, e in zip(actual, expected):
             np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
-        with _strategy(2).scope():  # Cross-replica context: local moments.
+        with testing.mirrored_cpu_strategy(2).scope():  # Cross-replica context: local moments.
             layer = BatchNormalization(synchronized=True)
             np.testing.assert_allclose(layer(x, training=True), expected[0], rtol=1e-6, atol=1e-6)
 
     def test_keras_fit_under_strategy(self):
-        strategy = _strategy(2)
+        strategy = testing.mirrored_cpu_strategy(2)
         x, _ = _data((8, 6, 6, 3), 10)
         y = np.random.RandomState(11).randint(0, 4, size=8)
         with strategy.scope():

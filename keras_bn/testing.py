@@ -1,4 +1,7 @@
-"""NumPy references shared by the tests (float64, written from the paper)."""
+"""NumPy references shared by the tests (float64, written from the paper),
+and the few fixtures the test modules share."""
+
+import functools
 
 import numpy as np
 
@@ -31,6 +34,28 @@ def broadcast_param(param, rank, feature_axes):
     for axis, size in zip(feature_axes, np.shape(param)):
         shape[axis] = size
     return np.reshape(param, shape)
+
+
+@functools.lru_cache(maxsize=None)
+def mirrored_cpu_strategy(num_replicas):
+    """One `MirroredStrategy` over logical CPUs 0..num_replicas-1 per process.
+
+    Collective all-reduce keys are process-global: a second collective
+    strategy restarts at group key 1 and the runtime rejects it ("joining a
+    group with size 4, but that group has size 2"), which fails every later
+    test of the process. So only the 4-replica strategy uses collective ops
+    (CPU's default); the others reduce through one device, MirroredStrategy's
+    other supported mode. The caller splits the CPU first
+    (`keras_bn.devices.split_device`).
+    """
+    import tensorflow as tf  # Local: the references serve the JAX tests too.
+
+    devices = [f"/cpu:{i}" for i in range(num_replicas)]
+    if num_replicas == 4:
+        return tf.distribute.MirroredStrategy(devices)
+    return tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
 
 
 class CountingReplicaContext:
