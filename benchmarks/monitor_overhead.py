@@ -4,7 +4,12 @@ The paper's MNIST BN network (784-100-100-100-10, sigmoid, keras_bn layers;
 trainers/mnist_sigmoid.build_model) is trained with `model.fit` on random
 MNIST-shaped data, batches of 60, for --steps steps per sample, with and
 without the monitor (default every_n_steps=100, a --probe_size probe batch),
-in one process and round-robin.
+in one process. The batches are one `tf.data` pipeline built once, so a fit
+times training, not the copy of NumPy arrays into a new pipeline. Each round
+times both fits back to back, alternating which goes first, and the overhead
+is the median over rounds of the pair's ratio: slow drifts of a shared
+machine hit both fits of a pair alike, where a ratio of separate medians
+moved by ±20% here between runs.
 
 Run:
     python -m benchmarks.monitor_overhead
@@ -21,6 +26,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import keras_bn  # noqa: E402
 from trainers import mnist_sigmoid  # noqa: E402
@@ -38,6 +44,7 @@ def main(argv):
     rng = np.random.RandomState(0)
     x = rng.rand(_STEPS.value * 60, 784).astype(np.float32)
     y = rng.randint(0, 10, len(x))
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(60).cache()
     model, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 0)
     model.compile(
         keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -47,7 +54,7 @@ def main(argv):
 
     def fit(callbacks):
         start = time.perf_counter()
-        model.fit(x, y, batch_size=60, epochs=1, callbacks=callbacks, verbose=0, shuffle=False)
+        model.fit(batches, epochs=1, callbacks=callbacks, verbose=0)
         return time.perf_counter() - start
 
     inside = []
@@ -59,20 +66,26 @@ def main(argv):
         inside.append(time.perf_counter() - start)
 
     monitor.write_summaries = timed_write_summaries
-    fit([monitor])  # Warm-up: tracing, the probe model and the writer.
+    fit([monitor])  # Warm-up: tracing, the probe model, the writer, the cache.
     fit([])
     inside.clear()
-    times = {"without": [], "with": []}
-    for _ in range(_ROUNDS.value):
-        times["without"].append(fit([]))
-        times["with"].append(fit([monitor]))
-    without, with_monitor = np.median(times["without"]), np.median(times["with"])
+    ratios, times = [], {"without": [], "with": []}
+    for round_index in range(_ROUNDS.value):
+        order = ("without", "with") if round_index % 2 == 0 else ("with", "without")
+        pair = {name: fit([monitor] if name == "with" else []) for name in order}
+        for name, seconds in pair.items():
+            times[name].append(seconds)
+        ratios.append(pair["with"] / pair["without"])
+    without = np.median(times["without"])
     print(f"Keras {keras.__version__}, {_STEPS.value} steps of batch 60 "
           f"(steps_per_execution={_SPE.value}), monitor every "
           f"{_EVERY.value} steps with a {mnist_sigmoid.PROBE_SIZE.value}-example probe")
+    overhead = 100 * (np.asarray(ratios) - 1)
+    low, high = np.percentile(overhead, [25, 75])
+    print(f"fit without monitor {without:.3f} s, with monitor {np.median(times['with']):.3f} s "
+          f"(medians of {_ROUNDS.value}), overhead {np.median(overhead):.1f}% "
+          f"(median of {_ROUNDS.value} paired ratios; quartiles {low:.1f}% to {high:.1f}%)")
     per_fit = sum(inside) / _ROUNDS.value
-    print(f"fit without monitor {without:.3f} s, with monitor {with_monitor:.3f} s, "
-          f"overhead {100 * (with_monitor / without - 1):.1f}%")
     print(f"inside the monitor {per_fit:.3f} s per fit ({len(inside) // _ROUNDS.value} logs), "
           f"{100 * per_fit / without:.1f}% of the fit without it")
 
