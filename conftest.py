@@ -9,16 +9,12 @@ and under JAX the host CPU shows as 8 devices for `keras.distribution`.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-if os.environ.get("KERAS_BACKEND") == "jax" and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    # Eight host devices for the keras.distribution tests; JAX reads the flag
-    # when it starts, which is after this (at its first device use).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
 import keras  # noqa: E402
 
 from keras_bn import devices  # noqa: E402
 
 if keras.backend.backend() == "tensorflow":
     devices.split_device("CPU", 4)
+elif keras.backend.backend() == "jax":
+    # Eight host devices for the keras.distribution tests.
+    devices.emulate_host_devices(8)

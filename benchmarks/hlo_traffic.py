@@ -24,10 +24,12 @@ sends them. Run it directly or as `python -m benchmarks.sync_speed --hlo`:
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+from keras_bn import devices  # noqa: E402  (after KERAS_BACKEND, before JAX's first device use)
 
 REPLICAS, BATCH, CHANNELS = 8, 64, 256
+
+devices.emulate_host_devices(REPLICAS)
 
 
 def settings():

@@ -28,8 +28,10 @@ import os
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+from keras_bn import devices  # noqa: E402  (after KERAS_BACKEND, before JAX's first device use)
+
+devices.emulate_host_devices(8)
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -111,7 +113,7 @@ def main(argv):
             with distribution.scope():
                 models[name].fit(
                     x[rows], y[rows], batch_size=_BATCH.value, epochs=1, shuffle=False, verbose=0,
-                    callbacks=[testing.OneStepInFlight.callback()],
+                    callbacks=[testing.OneStepInFlight()],
                 )
             cursors[name] += _CHUNK.value
 

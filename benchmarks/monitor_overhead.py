@@ -1,7 +1,7 @@
 r"""Overhead of keras_bn.BatchNormMonitor on `fit` of the MNIST BN network.
 
 The paper's MNIST BN network (784-100-100-100-10, sigmoid, keras_bn layers;
-trainers/mnist_sigmoid.build_model) is trained with `model.fit` on random
+trainers/mnist_model.build_model) is trained with `model.fit` on random
 MNIST-shaped data, batches of 60, for --steps steps per sample, with and
 without the monitor (default every_n_steps=100, a --probe_size probe batch),
 in one process. The batches are one `tf.data` pipeline built once, so a fit
@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_bn  # noqa: E402
+from trainers import mnist_model  # noqa: E402
 from trainers import mnist_sigmoid  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 1000, "Training steps per timed sample.", lower_bound=100)
@@ -45,7 +46,7 @@ def main(argv):
     x = rng.rand(_STEPS.value * 60, 784).astype(np.float32)
     y = rng.randint(0, 10, len(x))
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(60).cache()
-    model, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 0)
+    model, _ = mnist_model.build_model("batch_norm", 0.1, 0)
     model.compile(
         keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=_SPE.value,

@@ -74,8 +74,8 @@ class BatchNormalization(keras.layers.Layer):
     paths through them). The moving statistics move, once per step, towards
     the average of the ghost batches' means and of their variances (the
     pooled within-ghost-batch variance; with `unbiased_variance=True` the
-    pooled unbiased Σ M2 / Σ (v·p·q − 1), so that they estimate what a
-    v-example batch sees. At inference v plays no part: any batch size
+    pooled unbiased Σ M2 / Σ (n − 1), n a ghost batch's count per feature),
+    so that they estimate what a v-example batch sees. At inference v plays no part: any batch size
     works. v must divide each replica's batch (a `ValueError` naming both
     numbers; with a batch size known only at run time, TensorFlow's
     run-time assertion names them). Not combinable with

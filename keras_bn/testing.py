@@ -3,6 +3,7 @@ and the few fixtures the test modules share."""
 
 import functools
 
+import keras
 import numpy as np
 
 
@@ -196,8 +197,8 @@ def jax_training_step_hlo(layer, x, upstream):
     return step.lower(trainable, non_trainable, x, upstream).compile().as_text()
 
 
-class OneStepInFlight:
-    """Makes `fit` wait for each step: `callbacks=[OneStepInFlight.callback()]`.
+class OneStepInFlight(keras.callbacks.Callback):
+    """Makes `fit` wait for each step: `callbacks=[OneStepInFlight()]`.
 
     For `keras.distribution` over emulated host devices (JAX,
     `--xla_force_host_platform_device_count`), which share the machine's few
@@ -208,12 +209,5 @@ class OneStepInFlight:
     each step's logs on the training thread, i.e. wait for the step.
     """
 
-    @staticmethod
-    def callback():
-        import keras
-
-        class _Wait(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                del batch, logs  # Keras has already waited for the logs.
-
-        return _Wait()
+    def on_train_batch_end(self, batch, logs=None):
+        del batch, logs  # Keras has already waited for the logs.

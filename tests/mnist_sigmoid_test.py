@@ -18,6 +18,7 @@ import tensorflow_datasets as tfds
 from tests import flag_state
 from tests import tensorboard_events
 from trainers import mnist_data
+from trainers import mnist_model
 from trainers import mnist_sigmoid
 
 SHARED_DATA = os.path.join(
@@ -122,9 +123,9 @@ class MnistSigmoidTest(parameterized.TestCase):
         self.assertEqual(tensorboard_events.read_plugins(model_dir)["figure1"], "images")
 
     def test_networks_of_a_seed_share_initial_kernels(self):
-        baseline, _ = mnist_sigmoid.build_model("none", 0.1, 5)
-        batch_norm, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 5)
-        other_seed, _ = mnist_sigmoid.build_model("batch_norm", 0.1, 6)
+        baseline, _ = mnist_model.build_model("none", 0.1, 5)
+        batch_norm, _ = mnist_model.build_model("batch_norm", 0.1, 5)
+        other_seed, _ = mnist_model.build_model("batch_norm", 0.1, 6)
         for name in ("dense_1", "dense_2", "dense_3", "logits"):
             kernel = baseline.get_layer(name).kernel.numpy()
             np.testing.assert_array_equal(kernel, batch_norm.get_layer(name).kernel.numpy(), err_msg=name)

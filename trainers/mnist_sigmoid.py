@@ -79,12 +79,8 @@ TRAIN_SUBSET = flags.DEFINE_integer(
 
 DEFAULTS = {"train_steps": 50_000, "batch_size": 60, "learning_rate": 0.5, "eval_every": 500}
 RUN_NAMES = mnist_model.RUN_NAMES
-HIDDEN_UNITS = mnist_model.HIDDEN_UNITS
 PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, c follows.
 PERCENTILES = mnist_report.PERCENTILES
-
-
-build_model = mnist_model.build_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +152,7 @@ def train_and_evaluate(config, strategy, norm, seed, train, test):
     distribution_flags.check_sync_group_size(config.sync_group_size, replicas)
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model, probe = build_model(
+        model, probe = mnist_model.build_model(
             norm, config.init_std, seed, config.sync_batch_norm, config.sync_group_size
         )
         optimizer = keras.optimizers.SGD(config.learning_rate)
