@@ -5,7 +5,7 @@ host devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, set here
 before JAX starts), one layer's training step (C = 256 channels, global
 batch 64: the training call, the gradients with respect to the input, γ and
 β, and the updated moving statistics, jitted as one program; see
-`keras_bn.testing.make_jax_training_step`) is lowered and compiled for each
+`tests.jax_programs.make_jax_training_step`) is lowered and compiled for each
 setting, and the all-reduces of the compiled HLO are counted:
 
     keras   keras.layers.BatchNormalization()
@@ -25,11 +25,11 @@ import os
 
 os.environ["KERAS_BACKEND"] = "jax"
 
-from keras_bn import devices  # noqa: E402  (after KERAS_BACKEND, before JAX's first device use)
+from tests import host_devices  # noqa: E402  (after KERAS_BACKEND, before JAX's first device use)
 
 REPLICAS, BATCH, CHANNELS = 8, 64, 256
 
-devices.emulate_host_devices(REPLICAS)
+host_devices.emulate_host_devices(REPLICAS)
 
 
 def settings():
@@ -53,7 +53,7 @@ def hlo_lines():
     import keras
     import numpy as np
 
-    from keras_bn import testing
+    from tests import jax_programs
 
     if jax.device_count() < REPLICAS:
         raise RuntimeError(
@@ -71,7 +71,7 @@ def hlo_lines():
         for name, make in settings().items():
             layer = make()
             layer.build((BATCH, CHANNELS))
-            count, floats = testing.hlo_all_reduces(testing.jax_training_step_hlo(layer, x, upstream))
+            count, floats = jax_programs.hlo_all_reduces(jax_programs.jax_training_step_hlo(layer, x, upstream))
             lines.append(f"hlo setting={name} replicas={REPLICAS} all_reduces={count} all_reduce_floats={floats}")
     return lines
 

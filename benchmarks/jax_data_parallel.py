@@ -13,7 +13,7 @@ starts), with the same initial kernels and data order, once per BN layer:
 
 Each trains --chunk steps once to compile, then --rounds more chunks timed
 round-robin against the others (one step in flight at a time, see
-`keras_bn.testing.OneStepInFlight`: 8 emulated devices on a few cores
+`tests.jax_programs.OneStepInFlight`: 8 emulated devices on a few cores
 deadlock otherwise); it prints the test accuracy on the 10k test
 images (inference mode) and the median steps/s, and each keras_bn run's
 ratio of steps/s to Keras' (above 1.0: faster). MNIST is read by a separate
@@ -29,9 +29,9 @@ import os
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from keras_bn import devices  # noqa: E402  (after KERAS_BACKEND, before JAX's first device use)
+from tests import host_devices  # noqa: E402  (after KERAS_BACKEND, before JAX's first device use)
 
-devices.emulate_host_devices(8)
+host_devices.emulate_host_devices(8)
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -79,7 +79,7 @@ def main(argv):
 
     import keras_bn
     from benchmarks import timing
-    from keras_bn import testing
+    from tests import jax_programs
     from trainers import mnist_model
 
     if jax.device_count() < _REPLICAS.value:
@@ -113,7 +113,7 @@ def main(argv):
             with distribution.scope():
                 models[name].fit(
                     x[rows], y[rows], batch_size=_BATCH.value, epochs=1, shuffle=False, verbose=0,
-                    callbacks=[testing.OneStepInFlight()],
+                    callbacks=[jax_programs.OneStepInFlight()],
                 )
             cursors[name] += _CHUNK.value
 

@@ -31,8 +31,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app
 from absl import flags
 
-from keras_bn import devices
-from keras_bn import testing
+from trainers import devices
+from tests import sync_fixtures
 
 _REPLICAS = flags.DEFINE_integer("replicas", 2, "Logical devices (replicas).", lower_bound=2)
 _DEVICE = flags.DEFINE_enum(
@@ -68,7 +68,7 @@ def payload_lines(replica_counts=PAYLOAD_REPLICAS, channels=PAYLOAD_CHANNELS):
             layer = keras_bn.BatchNormalization(
                 synchronized=True, sync_group_size=None if group == replicas else group
             )
-            forward, backward = testing.count_all_reduces(layer, x, replicas)
+            forward, backward = sync_fixtures.count_all_reduces(layer, x, replicas)
             lines.append(
                 f"payload replicas={replicas} group={group} channels={channels} "
                 f"forward_collectives={len(forward)} forward_floats={sum(forward)} "

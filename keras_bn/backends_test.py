@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 import keras_bn
-from keras_bn import testing
+from tests import references
 
 BACKEND = keras.backend.backend()
 
@@ -40,7 +40,7 @@ class BackendTest(parameterized.TestCase):
         x = _data((8, 3, 4), 0)
         layer = keras_bn.BatchNormalization(epsilon=1e-3, **kwargs)
         y = keras.ops.convert_to_numpy(layer(x, training=True))
-        mean, variance = testing.reference_moments(x, (-1,))
+        mean, variance = references.reference_moments(x, (-1,))
         x_hat = (x - mean) / np.sqrt(variance + 1e-3)
         if kwargs.get("renorm"):
             # Initial renorm statistics (0, 1): r = σ_B clipped, d = μ_B clipped.
@@ -135,7 +135,7 @@ class BackendTest(parameterized.TestCase):
         x, upstream = _data((16, 3), 7), _data((16, 3), 8, loc=0.0, scale=1.0)
         layer = keras_bn.BatchNormalization(virtual_batch_size=4, momentum=0.0)
         y = keras.ops.convert_to_numpy(layer(x, training=True))
-        expected = testing.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, 1e-3)
+        expected = references.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, 1e-3)
         np.testing.assert_allclose(y, expected["y"], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_mean), expected["mean"], rtol=1e-5)
         np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_variance), expected["variance"], rtol=1e-5)

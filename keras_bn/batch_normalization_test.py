@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_bn import batch_normalization
-from keras_bn import testing
+from tests import references
 
 BatchNormalization = batch_normalization.BatchNormalization
 
@@ -50,8 +50,8 @@ def _params(layer, rank):
     gamma = np.asarray(layer.gamma) if layer.scale else 1.0
     beta = np.asarray(layer.beta) if layer.center else 0.0
     return (
-        testing.broadcast_param(gamma, rank, axes) if layer.scale else gamma,
-        testing.broadcast_param(beta, rank, axes) if layer.center else beta,
+        references.broadcast_param(gamma, rank, axes) if layer.scale else gamma,
+        references.broadcast_param(beta, rank, axes) if layer.center else beta,
     )
 
 
@@ -89,7 +89,7 @@ class ForwardTest(parameterized.TestCase):
         x = _random(shape, 0, loc=3.0, scale=2.0)
         layer = _layer_with_random_params(shape, axis)
         gamma, beta = _params(layer, len(shape))
-        expected = testing.reference_batch_norm(
+        expected = references.reference_batch_norm(
             x, gamma, beta, layer.axis, layer.epsilon
         )
         np.testing.assert_allclose(
@@ -103,7 +103,7 @@ class ForwardTest(parameterized.TestCase):
         x = _random((8, 4), 1)
         layer = _layer_with_random_params((8, 4), -1, center=center, scale=scale)
         gamma, beta = _params(layer, 2)
-        expected = testing.reference_batch_norm(x, gamma, beta, (-1,), 1e-3)
+        expected = references.reference_batch_norm(x, gamma, beta, (-1,), 1e-3)
         np.testing.assert_allclose(layer(x, training=True), expected, rtol=1e-5, atol=1e-5)
         self.assertLen(layer.trainable_weights, int(center) + int(scale))
 
@@ -116,8 +116,8 @@ class ForwardTest(parameterized.TestCase):
         x = _random(shape, 5)
         rank = len(shape)
         gamma, beta = _params(layer, rank)
-        mean = testing.broadcast_param(np.asarray(layer.moving_mean), rank, layer.axis)
-        var = testing.broadcast_param(np.asarray(layer.moving_variance), rank, layer.axis)
+        mean = references.broadcast_param(np.asarray(layer.moving_mean), rank, layer.axis)
+        var = references.broadcast_param(np.asarray(layer.moving_variance), rank, layer.axis)
         expected = gamma * (x - mean) / np.sqrt(var + layer.epsilon) + beta
         np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(layer(x, training=False), expected, rtol=1e-5, atol=1e-5)
@@ -175,7 +175,7 @@ class MovingStatisticsTest(parameterized.TestCase):
         for step in range(3):
             x = _random(shape, 10 + step, loc=step, scale=1 + step)
             layer(x, training=True)
-            mean, var = testing.reference_moments(x, layer.axis)
+            mean, var = references.reference_moments(x, layer.axis)
             m = x.size / mean.size
             if unbiased:
                 var = var * m / (m - 1)
@@ -192,7 +192,7 @@ class MovingStatisticsTest(parameterized.TestCase):
         for step in range(5):
             x = _random(shape, 20 + step, loc=2 * step, scale=1 + step)
             layer(x, training=True)
-            mean, var = testing.reference_moments(x, (-1,))
+            mean, var = references.reference_moments(x, (-1,))
             m = 6 * 4 * 4
             means.append(mean.ravel())
             variances.append(var.ravel() * (m / (m - 1) if unbiased else 1))
@@ -240,7 +240,7 @@ class MovingStatisticsTest(parameterized.TestCase):
 
 def _loss_reference(x, gamma, beta, weights, feature_axes, epsilon):
     return np.sum(
-        weights * testing.reference_batch_norm(x, gamma, beta, feature_axes, epsilon)
+        weights * references.reference_batch_norm(x, gamma, beta, feature_axes, epsilon)
     )
 
 
@@ -290,7 +290,7 @@ class GradientTest(parameterized.TestCase):
         shape = (16, 5)
         x = _random(shape, 70).astype(np.float64)
         weights = _random(shape, 71)
-        _, var = testing.reference_moments(x, (-1,))
+        _, var = references.reference_moments(x, (-1,))
         naive = weights / np.sqrt(var + 1e-3)
         h = 1e-4
         plus, minus = x.copy(), x.copy()
@@ -341,7 +341,7 @@ class PrecisionTest(parameterized.TestCase):
         self.assertEqual(y.dtype, tf.float64)
         for weight in layer.weights:
             self.assertEqual(keras.backend.standardize_dtype(weight.dtype), "float64", weight.name)
-        expected = testing.reference_batch_norm(x, 1.0, 0.0, (-1,), 1e-3)
+        expected = references.reference_batch_norm(x, 1.0, 0.0, (-1,), 1e-3)
         self.assertLess(np.abs(y.numpy() - expected).max(), 1e-9)
         np.testing.assert_allclose(layer.moving_variance, x.var(0), rtol=1e-10)
 

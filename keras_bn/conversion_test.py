@@ -8,7 +8,7 @@ import pytest
 
 import keras_bn
 from keras_bn import population
-from keras_bn import testing
+from tests import sync_fixtures
 
 
 def _bn_classes(model):
@@ -132,7 +132,7 @@ def _check_application(test, build, synchronised_step=True):
 def _check_synchronised_step(test, model, x, classes):
     """Converted in a strategy's scope with synchronised moments: the copy's
     variables belong to the strategy and a training step runs."""
-    strategy = testing.mirrored_cpu_strategy(2)
+    strategy = sync_fixtures.mirrored_cpu_strategy(2)
     with strategy.scope():
         synced = keras_bn.convert_batch_norm(model, synchronized=True)
         synced.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))

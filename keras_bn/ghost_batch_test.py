@@ -6,7 +6,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from keras_bn import devices
+from trainers import devices
 
 devices.split_device("CPU", 4)
 
@@ -15,7 +15,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_bn  # noqa: E402
-from keras_bn import testing  # noqa: E402
+from tests import references  # noqa: E402
+from tests import sync_fixtures  # noqa: E402
 
 EPSILON = 1e-3
 
@@ -59,7 +60,7 @@ class GhostBatchTest(parameterized.TestCase):
         channels = shape[-1]
         # Consecutive rows of the flattened map: each ghost batch of 4
         # examples is 4·H·W rows.
-        expected = testing.reference_sliced_batch_norm(
+        expected = references.reference_sliced_batch_norm(
             x.reshape(-1, channels), upstream.reshape(-1, channels), 1.0, 0.0, shape[0] // 4, EPSILON
         )
         self._assert_matches(results, expected, channels)
@@ -67,7 +68,7 @@ class GhostBatchTest(parameterized.TestCase):
         np.testing.assert_allclose(np.asarray(layer.moving_mean), expected["mean"], rtol=1e-5)
         np.testing.assert_allclose(np.asarray(layer.moving_variance), expected["variance"], rtol=1e-5)
         # Ghost batches differ from the whole batch (the check can fail).
-        whole = testing.reference_sliced_batch_norm(
+        whole = references.reference_sliced_batch_norm(
             x.reshape(-1, channels), upstream.reshape(-1, channels), 1.0, 0.0, 1, EPSILON
         )
         self.assertGreater(np.abs(whole["y"] - expected["y"]).max(), 0.1)
@@ -80,14 +81,14 @@ class GhostBatchTest(parameterized.TestCase):
             lambda x, u: _step(layer, x, u),
             input_signature=[tf.TensorSpec((None, 3)), tf.TensorSpec((None, 3))],
         )
-        expected = testing.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, EPSILON)
+        expected = references.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, EPSILON)
         self._assert_matches(step(tf.constant(x), tf.constant(upstream)), expected, 3)
         # A batch the ghost size does not divide fails at run time, naming both.
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"virtual_batch_size=4 must divide[\s\S]*\b10\b"):
             step(tf.constant(x[:10]), tf.constant(upstream[:10]))
 
     def test_mirrored_strategy_each_replica_its_own_ghost_batches(self):
-        strategy = testing.mirrored_cpu_strategy(2)
+        strategy = sync_fixtures.mirrored_cpu_strategy(2)
         x, upstream = _data((16, 3), 4), _data((16, 3), 5, 0.0, 1.0)
         with strategy.scope():
             layer = _layer()
@@ -101,12 +102,12 @@ class GhostBatchTest(parameterized.TestCase):
         results = strategy.run(tf.function(lambda x, u: _step(layer, x, u)), args=(parts(x), parts(upstream)))
         for replica in range(2):
             rows = slice(8 * replica, 8 * replica + 8)
-            expected = testing.reference_sliced_batch_norm(x[rows], upstream[rows], 1.0, 0.0, 2, EPSILON)
+            expected = references.reference_sliced_batch_norm(x[rows], upstream[rows], 1.0, 0.0, 2, EPSILON)
             local = [strategy.experimental_local_results(r)[replica] for r in results]
             self._assert_matches(local, expected, 3)
         # Each replica moved its own copy; a cross-replica read averages them:
         # the mean over all four ghost batches.
-        expected = testing.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, EPSILON)
+        expected = references.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, EPSILON)
         np.testing.assert_allclose(np.asarray(layer.moving_mean), expected["mean"], rtol=1e-5)
         np.testing.assert_allclose(np.asarray(layer.moving_variance), expected["variance"], rtol=1e-5)
 

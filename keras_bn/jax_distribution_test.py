@@ -16,7 +16,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import keras_bn
-from keras_bn import testing
+from tests import jax_programs
+from tests import references
 
 if keras.backend.backend() != "jax":
     pytest.skip(
@@ -81,11 +82,11 @@ class JaxDistributionTest(parameterized.TestCase):
         distribution = _data_parallel()
         with distribution.scope():
             layer = _layer(**kwargs)
-            step, trainable, non_trainable = testing.make_jax_training_step(layer)
+            step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
             y, ((dgamma, dbeta), dx), updated = step(
                 trainable, non_trainable, _distribute(distribution, X), _distribute(distribution, UPSTREAM)
             )
-        expected = testing.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, slices, EPSILON)
+        expected = references.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, slices, EPSILON)
         for name, value in (("y", y), ("dx", dx), ("dgamma", dgamma), ("dbeta", dbeta)):
             np.testing.assert_allclose(np.asarray(value, np.float64), expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
         np.testing.assert_allclose(_moving(layer, updated, "moving_mean"), 0.5 * expected["mean"], rtol=1e-5, atol=1e-6)
@@ -99,12 +100,12 @@ class JaxDistributionTest(parameterized.TestCase):
         distribution = _data_parallel()
         with distribution.scope():
             layer = _layer(momentum=0.0, synchronized=True, sync_group_size=group_size)
-            step, trainable, non_trainable = testing.make_jax_training_step(layer)
+            step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
             _, _, updated = step(
                 trainable, non_trainable, _distribute(distribution, x), _distribute(distribution, UPSTREAM)
             )
         slices = 1 if group_size is None else REPLICAS // group_size
-        expected = testing.reference_sliced_batch_norm(x, UPSTREAM, GAMMA, BETA, slices, EPSILON)
+        expected = references.reference_sliced_batch_norm(x, UPSTREAM, GAMMA, BETA, slices, EPSILON)
         np.testing.assert_allclose(_moving(layer, updated, "moving_variance"), expected["variance"], rtol=1e-3)
 
     def test_fit_with_synchronized_layer_matches_single_device(self):
@@ -129,19 +130,19 @@ class JaxDistributionTest(parameterized.TestCase):
         keras.utils.set_random_seed(0)
         single = build()
         weights = single.get_weights()
-        single_losses = single.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[testing.OneStepInFlight()]).history["loss"]
+        single_losses = single.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[jax_programs.OneStepInFlight()]).history["loss"]
         distribution = _data_parallel()
         with distribution.scope():
             parallel = build()
             parallel.set_weights(weights)
-            parallel_losses = parallel.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[testing.OneStepInFlight()]).history["loss"]
+            parallel_losses = parallel.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[jax_programs.OneStepInFlight()]).history["loss"]
         np.testing.assert_allclose(parallel_losses, single_losses, rtol=1e-5)
         # With each replica's own statistics the run differs (so the check
         # above can fail).
         with distribution.scope():
             local = build(synchronized=False)
             local.set_weights(weights)
-            local_losses = local.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[testing.OneStepInFlight()]).history["loss"]
+            local_losses = local.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[jax_programs.OneStepInFlight()]).history["loss"]
         self.assertGreater(abs(local_losses[-1] - single_losses[-1]), 1e-2 * single_losses[-1])
 
     def test_keras_layer_normalises_with_the_global_batch(self):
@@ -151,14 +152,14 @@ class JaxDistributionTest(parameterized.TestCase):
         with distribution.scope():
             layer = keras.layers.BatchNormalization(momentum=0.0)
             layer.build((BATCH, CHANNELS))
-            step, trainable, non_trainable = testing.make_jax_training_step(layer)
+            step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
             _, _, updated = step(trainable, non_trainable, _distribute(distribution, X), _distribute(distribution, UPSTREAM))
         np.testing.assert_allclose(_moving(layer, updated, "moving_mean"), X.astype(np.float64).mean(0), rtol=1e-5)
 
     def test_synchronized_without_distribution_is_the_whole_batch(self):
         layer = _layer(synchronized=True, sync_group_size=2)
         y = keras.ops.convert_to_numpy(layer(X, training=True))
-        expected = testing.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, 1, EPSILON)
+        expected = references.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, 1, EPSILON)
         np.testing.assert_allclose(y, expected["y"], rtol=1e-5, atol=1e-5)
 
     def test_hlo_traffic(self):
@@ -170,9 +171,9 @@ class JaxDistributionTest(parameterized.TestCase):
         distribution = _data_parallel()
         x, upstream = _distribute(distribution, X), _distribute(distribution, UPSTREAM)
         with distribution.scope():
-            traffic["keras"] = testing.hlo_all_reduces(_keras_hlo(x, upstream))
+            traffic["keras"] = jax_programs.hlo_all_reduces(_keras_hlo(x, upstream))
             for name, kwargs, _ in SETTINGS:
-                traffic[name] = testing.hlo_all_reduces(testing.jax_training_step_hlo(_layer(**kwargs), x, upstream))
+                traffic[name] = jax_programs.hlo_all_reduces(jax_programs.jax_training_step_hlo(_layer(**kwargs), x, upstream))
         # (How many ops XLA's combiner makes of them may vary by version;
         # the floats may not.)
         for name in ("local", "ghost"):
@@ -199,7 +200,7 @@ class JaxDistributionTest(parameterized.TestCase):
 def _keras_hlo(x, upstream):
     layer = keras.layers.BatchNormalization()
     layer.build((BATCH, CHANNELS))
-    return testing.jax_training_step_hlo(layer, x, upstream)
+    return jax_programs.jax_training_step_hlo(layer, x, upstream)
 
 
 if __name__ == "__main__":

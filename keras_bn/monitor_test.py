@@ -8,7 +8,7 @@ import keras
 import numpy as np
 
 import keras_bn
-from keras_bn import testing
+from tests import sync_fixtures
 from tests import tensorboard_events
 
 
@@ -116,7 +116,7 @@ class MonitorTest(parameterized.TestCase):
 
     def test_mirrored_strategy_probes_the_first_replica(self):
         log_dir, (x, y) = tempfile.mkdtemp(), _data()
-        with testing.mirrored_cpu_strategy(2).scope():
+        with sync_fixtures.mirrored_cpu_strategy(2).scope():
             model = _compiled_model(synchronized=True)
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:32], every_n_steps=2)
         model.fit(x, y, batch_size=16, epochs=1, callbacks=[monitor], verbose=0)  # 4 steps.

@@ -6,7 +6,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from keras_bn import devices
+from trainers import devices
 
 devices.split_device("CPU", 4)
 
@@ -17,7 +17,7 @@ import tensorflow as tf  # noqa: E402
 from keras_bn import batch_normalization  # noqa: E402
 from keras_bn import moments  # noqa: E402
 from keras_bn import normalize  # noqa: E402
-from keras_bn import testing  # noqa: E402
+from tests import sync_fixtures  # noqa: E402
 
 BatchNormalization = batch_normalization.BatchNormalization
 
@@ -55,7 +55,7 @@ def _single_device(shape_kwargs, x, w, steps, mask=None, **kwargs):
 
 
 def _mirrored(num_replicas, sizes, shape_kwargs, x, w, steps, mask=None, **kwargs):
-    strategy = testing.mirrored_cpu_strategy(num_replicas)
+    strategy = sync_fixtures.mirrored_cpu_strategy(num_replicas)
     with strategy.scope():
         layer = BatchNormalization(synchronized=True, **shape_kwargs, **kwargs)
         layer.build((None,) + x.shape[1:])
@@ -185,7 +185,7 @@ class MirroredTest(parameterized.TestCase):
         # reached inside a tf.function nested in strategy.run (the trainer's
         # jit_compile=True forward pass over logical CPUs); the layer says
         # what that means for it.
-        class NestedFunctionContext(testing.CountingReplicaContext):
+        class NestedFunctionContext(sync_fixtures.CountingReplicaContext):
             def all_reduce(self, reduce_op, value):
                 raise RuntimeError("`merge_call` called while defining a new graph or a tf.function.")
 
@@ -247,12 +247,12 @@ class MirroredTest(parameterized.TestCase):
         actual = _layer_step(layer)(tf.constant(x), tf.constant(w))
         for a, e in zip(actual, expected):
             np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
-        with testing.mirrored_cpu_strategy(2).scope():  # Cross-replica context: local moments.
+        with sync_fixtures.mirrored_cpu_strategy(2).scope():  # Cross-replica context: local moments.
             layer = BatchNormalization(synchronized=True)
             np.testing.assert_allclose(layer(x, training=True), expected[0], rtol=1e-6, atol=1e-6)
 
     def test_keras_fit_under_strategy(self):
-        strategy = testing.mirrored_cpu_strategy(2)
+        strategy = sync_fixtures.mirrored_cpu_strategy(2)
         x, _ = _data((8, 6, 6, 3), 10)
         y = np.random.RandomState(11).randint(0, 4, size=8)
         with strategy.scope():
@@ -302,7 +302,7 @@ class XlaTest(parameterized.TestCase):
 
             return [t.numpy() for t in step(tf.constant(x))]
 
-        context = testing.CountingReplicaContext(replicas, replica_id=replicas - 1)
+        context = sync_fixtures.CountingReplicaContext(replicas, replica_id=replicas - 1)
         synced = run(moments.ReplicaGroups(context, group_size))
         # Forward one collective (packed, R = 2) or two, backward one.
         self.assertLen(context.floats, collectives)
@@ -326,7 +326,7 @@ class PayloadTest(parameterized.TestCase):
         channels = 6
         layer = BatchNormalization(synchronized=True, sync_group_size=group_size)
         x = tf.constant(_data((4, 3, 3, channels), 14)[0])
-        forward_floats, backward_floats = testing.count_all_reduces(layer, x, replicas)
+        forward_floats, backward_floats = sync_fixtures.count_all_reduces(layer, x, replicas)
         self.assertEqual(forward_floats, forward(channels))
         self.assertEqual(backward_floats, backward(channels))
         if group_size is None:

@@ -5,7 +5,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from keras_bn import devices
+from trainers import devices
 
 
 @dataclasses.dataclass(frozen=True)

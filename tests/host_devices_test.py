@@ -1,4 +1,4 @@
-"""Tests of keras_bn.devices.emulate_host_devices (split_device runs in every multi-replica test)."""
+"""Tests of tests.host_devices.emulate_host_devices (split_device runs in every multi-replica test)."""
 
 import os
 from unittest import mock
@@ -6,7 +6,7 @@ from unittest import mock
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from keras_bn import devices
+from tests import host_devices
 
 
 class EmulateHostDevicesTest(parameterized.TestCase):
@@ -23,7 +23,7 @@ class EmulateHostDevicesTest(parameterized.TestCase):
         with mock.patch.dict(os.environ, environ, clear=False):
             if before is None:
                 os.environ.pop("XLA_FLAGS", None)
-            devices.emulate_host_devices(8)
+            host_devices.emulate_host_devices(8)
             self.assertEqual(os.environ["XLA_FLAGS"], after)
 
 

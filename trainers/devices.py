@@ -3,25 +3,10 @@
 A machine without several accelerators can still run multi-replica code:
 TensorFlow splits a physical CPU (or GPU) into logical devices, each of which
 a `tf.distribute.MirroredStrategy` treats as a replica. Used by the trainers'
-`--num_cpu_devices`/`--num_gpu_devices`, the tests and the benchmarks.
+`--num_cpu_devices`/`--num_gpu_devices` (and by the tests).
 """
 
-import os
-
 _GPU_MEMORY_LIMIT_MB = 16384
-_HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-def emulate_host_devices(num_devices):
-    """Makes JAX's CPU platform show `num_devices` devices (`XLA_FLAGS`).
-
-    For `keras.distribution` on one host. JAX reads the flag when its backend
-    starts, at the first device use, so this must run before that (importing
-    Keras or JAX is fine). A count already in `XLA_FLAGS` is kept.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _HOST_DEVICE_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICE_FLAG}={num_devices}".strip()
 
 
 def split_device(device_type, num_devices, memory_limit_mb=_GPU_MEMORY_LIMIT_MB):
