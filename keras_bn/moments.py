@@ -6,11 +6,9 @@ replicas (Chan, Golub & LeVeque 1979), unlike the raw sums of x and x², whose
 difference E[x²] − E[x]² loses every significant digit of the variance once
 |mean| / std approaches the float32 resolution (about 4e3).
 
-TensorFlow is imported only where a strategy's replica context is looked up,
-so local statistics need no TensorFlow.
+Nothing here imports TensorFlow: a replica context is passed in
+(`batch_plan.current_context` looks it up).
 """
-
-import contextlib
 
 import keras
 from keras import ops
@@ -67,61 +65,6 @@ def local_moments(x, axes, weights=None):
     return count, mean, m2
 
 
-_CONTEXT_OVERRIDES = []
-
-
-@contextlib.contextmanager
-def use_replica_context(context):
-    """Within the block, synchronised layers use `context` as their replica context.
-
-    For stand-in contexts (tests, and the traffic count of
-    `benchmarks.sync_speed --payload`): any object with
-    `num_replicas_in_sync`, `replica_id_in_sync_group` and
-    `all_reduce(op, value)` like `tf.distribute.ReplicaContext`.
-    """
-    _CONTEXT_OVERRIDES.append(context)
-    try:
-        yield context
-    finally:
-        _CONTEXT_OVERRIDES.pop()
-
-
-def sync_replica_context():
-    """The replica context to synchronise over, or `None` for local moments.
-
-    `None` outside any strategy, in cross-replica context, and when there is a
-    single replica, where local moments already are the global ones.
-    """
-    if _CONTEXT_OVERRIDES:
-        context = _CONTEXT_OVERRIDES[-1]
-    else:
-        import tensorflow as tf  # Only the synchronised path needs it.
-
-        context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return None
-    return context
-
-
-def replica_groups(context, group_size):
-    """The `ReplicaGroups` a synchronised layer reduces over, or `None`.
-
-    Args:
-        context: the result of `sync_replica_context()`.
-        group_size: replicas per group, or `None` for all replicas.
-
-    Returns:
-        `None` when there is nothing to synchronise (no context, or groups of
-        one replica, i.e. local statistics), else a `ReplicaGroups`.
-
-    Raises:
-        ValueError: if `group_size` does not divide the replica count.
-    """
-    if context is None or group_size == 1:
-        return None
-    return ReplicaGroups(context, group_size)
-
-
 class ReplicaGroups:
     """Sums and moment merges over the replicas of this replica's group.
 
@@ -136,10 +79,8 @@ class ReplicaGroups:
     Args:
         context: a replica context (`tf.distribute.ReplicaContext` or a
             stand-in with the same three members).
-        group_size: replicas per group, `None` for all replicas.
-
-    Raises:
-        ValueError: if `group_size` does not divide the replica count.
+        group_size: replicas per group, `None` for all replicas; it divides
+            the replica count (`batch_plan.make_plan` checks that).
     """
 
     # Up to this many replicas, one all-reduce of every replica's packed
@@ -153,12 +94,6 @@ class ReplicaGroups:
         self.context = context
         self.num_replicas = context.num_replicas_in_sync
         self.group_size = self.num_replicas if group_size is None else group_size
-        if self.num_replicas % self.group_size:
-            raise ValueError(
-                f"sync_group_size={self.group_size} must divide the number of "
-                f"replicas in sync, {self.num_replicas}. "
-                f"Received: sync_group_size={self.group_size}"
-            )
         self.num_groups = self.num_replicas // self.group_size
 
     def sum(self, tensors):

@@ -7,6 +7,7 @@ import numpy as np
 
 from keras_bn import distribution
 from keras_bn import population
+from keras_bn import validation
 
 
 class BatchNormMonitor(keras.callbacks.Callback):
@@ -72,13 +73,9 @@ class BatchNormMonitor(keras.callbacks.Callback):
 
     def __init__(self, log_dir, probe_data, every_n_steps=100, group_by=None):
         super().__init__()
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"Expected `every_n_steps` to be a positive int. Received: every_n_steps={every_n_steps!r}"
-            )
         self.log_dir = log_dir
         self.probe_data = probe_data
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = validation.positive_int("every_n_steps", every_n_steps)
         self.group_by = group_by
         self._lock = threading.Lock()
         self._writer = None

@@ -3,6 +3,8 @@
 import keras
 import numpy as np
 
+from keras_bn import moving_statistics
+from keras_bn import validation
 from keras_bn.batch_normalization import BatchNormalization
 
 
@@ -45,8 +47,11 @@ def estimate_population_statistics(model, dataset, num_batches):
     it is weighting by m_B, and with equal batches it is the paper's plain
     average. Each batch's statistics are read from the layers' own moving
     statistics after a pass with `momentum` set to 0, so they are exactly
-    what training computes; nothing else changes: every layer's momentum and
-    non-trainable variables are restored before the estimates are written.
+    what training computes (v_B included), and the averages are accumulated
+    with the layers' update rule in its cumulative mode
+    (`moving_statistics.update`, weight n_B); nothing else changes: every
+    layer's momentum and non-trainable variables are restored before the
+    estimates are written.
     Layers with `momentum=None` also get `moving_batches` set to the number
     of batches seen, so later training continues the same average. The passes
     run eagerly.
@@ -65,10 +70,7 @@ def estimate_population_statistics(model, dataset, num_batches):
         ValueError: if `num_batches` is not a positive int, if the model has
             no keras_bn layer, or if the dataset yields no batch.
     """
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
-        raise ValueError(
-            f"Expected `num_batches` to be a positive int. Received: num_batches={num_batches!r}"
-        )
+    num_batches = validation.positive_int("num_batches", num_batches)
     layers = [layer for layer in batch_norm_layers(model) if layer.trainable]
     if not layers:
         raise ValueError(
@@ -77,8 +79,13 @@ def estimate_population_statistics(model, dataset, num_batches):
         )
     saved = [[v.numpy() for v in layer.non_trainable_variables] for layer in layers]
     momenta = [layer.momentum for layer in layers]
-    weight = 0.0
-    sums = [[0.0, 0.0] for _ in layers]
+    # Each layer's running population average, in float64: the update rule's
+    # cumulative mode with batch weights n_B (v_B arrives corrected already).
+    rule = moving_statistics.Rule(momentum=None, unbiased_variance=False, epsilon=0.0)
+    averages = [
+        {"moving_mean": 0.0, "moving_variance": 0.0, "moving_batches": np.float64(0.0)}
+        for _ in layers
+    ]
     seen = 0
     try:
         for layer in layers:
@@ -89,10 +96,15 @@ def estimate_population_statistics(model, dataset, num_batches):
             inputs = batch[0] if isinstance(batch, tuple) else batch
             examples = float(keras.ops.shape(keras.tree.flatten(inputs)[0])[0])
             model(inputs, training=True)
-            weight += examples
-            for layer, total in zip(layers, sums):
-                total[0] = total[0] + examples * np.asarray(layer.moving_mean, np.float64)
-                total[1] = total[1] + examples * np.asarray(layer.moving_variance, np.float64)
+            for i, layer in enumerate(layers):
+                averages[i] = moving_statistics.update(
+                    rule,
+                    averages[i],
+                    np.asarray(layer.moving_mean, np.float64),
+                    np.asarray(layer.moving_variance, np.float64),
+                    np.float64(1.0),
+                    weight=examples,
+                )
             seen += 1
     finally:
         for layer, values, momentum in zip(layers, saved, momenta):
@@ -102,10 +114,10 @@ def estimate_population_statistics(model, dataset, num_batches):
     if seen == 0:
         raise ValueError("The dataset yielded no batch.")
     estimates = {}
-    for layer, (mean_sum, variance_sum) in zip(layers, sums):
+    for layer, average in zip(layers, averages):
         dtype = layer.statistics_dtype
-        mean = (mean_sum / weight).astype(dtype)
-        variance = (variance_sum / weight).astype(dtype)
+        mean = keras.ops.convert_to_numpy(average["moving_mean"]).astype(dtype)
+        variance = keras.ops.convert_to_numpy(average["moving_variance"]).astype(dtype)
         layer.moving_mean.assign(mean)
         layer.moving_variance.assign(variance)
         if layer.renorm:

@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_bn import batch_normalization  # noqa: E402
+from keras_bn import batch_plan  # noqa: E402
 from keras_bn import moments  # noqa: E402
 from keras_bn import normalize  # noqa: E402
 from tests import sync_fixtures  # noqa: E402
@@ -176,7 +177,7 @@ class MirroredTest(parameterized.TestCase):
     def test_group_size_must_divide_replica_count(self):
         x, w = _data((8, 3), 21)
         with self.assertRaisesRegex(
-            ValueError, r"sync_group_size=3 must divide the number of replicas in sync, 4"
+            ValueError, r"sync_group_size=3 must divide the 4 replicas in sync"
         ):
             _mirrored(4, [2, 2, 2, 2], {}, x, w, steps=1, sync_group_size=3)
 
@@ -190,9 +191,10 @@ class MirroredTest(parameterized.TestCase):
                 raise RuntimeError("`merge_call` called while defining a new graph or a tf.function.")
 
         layer = BatchNormalization(synchronized=True)
-        with moments.use_replica_context(NestedFunctionContext(2)):
-            with self.assertRaisesRegex(RuntimeError, r"cannot all-reduce its moments here because"):
-                layer(np.ones((4, 3), np.float32), training=True)
+        layer.build((4, 3))
+        context = batch_plan.EngineContext(replica_context=NestedFunctionContext(2))
+        with self.assertRaisesRegex(RuntimeError, r"cannot all-reduce its moments here because"):
+            layer.training_step(np.ones((4, 3), np.float32), context=context)
 
     def test_masked_and_mixed_precision(self):
         x, w = _data((4, 6, 3), 5)

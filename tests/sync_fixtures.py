@@ -59,22 +59,24 @@ class CountingReplicaContext:
 def count_all_reduces(layer, x, num_replicas):
     """Counts one training call's all-reduce floats, forward and backward.
 
-    Runs `layer(x, training=True)` and the gradient with respect to `x` under
-    a `CountingReplicaContext` playing replica 0 of `num_replicas`.
+    Runs the layer's training step (`layer.training_step`) and the gradient
+    with respect to `x` with a `CountingReplicaContext` playing replica 0 of
+    `num_replicas` as its engine context.
 
     Returns:
         `(forward, backward)`: the element counts of each all-reduce.
     """
     import tensorflow as tf  # The synchronised path is TensorFlow's.
 
-    from keras_bn import moments
+    from keras_bn import batch_plan
 
     x = tf.convert_to_tensor(x)
     context = CountingReplicaContext(num_replicas)
-    with moments.use_replica_context(context):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True)
-        forward = list(context.floats)
-        tape.gradient(y, x)
-    return forward, context.floats[len(forward):]
+    if not layer.built:
+        layer.build(x.shape)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer.training_step(x, context=batch_plan.EngineContext(replica_context=context))
+    forward = list(context.floats)
+    tape.gradient(y, x)
+    return forward, context.floats[len(forward) :]

@@ -1,0 +1,241 @@
+"""Which examples of a training batch share their statistics: the batch plan.
+
+This module owns the partition of a training batch, for every engine. From a
+layer's settings (`synchronized`, `sync_group_size`, `virtual_batch_size`),
+the input's batch size and the engine context, `make_plan` builds one
+immutable `BatchPlan` per training call. The plan splits the batch into S
+consecutive slices of B/S examples along its batch axis, each normalised with
+its own moments, and merges moments across `tf.distribute` replicas:
+
+- ghost batches (`virtual_batch_size=v`): S = B/v, on every engine;
+- Keras 3's `keras.distribution` on JAX (`DataParallel`, `ModelParallel`),
+  where a layer sees the global batch of R replicas (positions on the mesh's
+  batch axis): S = R for local statistics, S = R/k for groups of k replicas,
+  S = 1 for the global batch;
+- `tf.distribute`, where a replica sees only its own batch: S = 1, and
+  `synchronized=True` merges the replicas' moments (`moments.ReplicaGroups`).
+
+A slice is a reshape of the batch axis into (S, B/S), so XLA's SPMD
+partitioner keeps it on the devices that hold its examples: slices within one
+replica need no collective, and groups need one only within the group.
+"""
+
+import dataclasses
+from typing import Any
+from typing import Optional
+
+import keras
+from keras import ops
+
+from keras_bn import moments
+from keras_bn import normalize
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineContext:
+    """Where a training call runs, as far as the batch partition cares.
+
+    Attributes:
+        replica_context: `None`, or the `tf.distribute.ReplicaContext` (or an
+            object with its `num_replicas_in_sync`, `replica_id_in_sync_group`
+            and `all_reduce(op, value)`) whose replicas synchronise.
+        mesh_replicas: replicas on the batch axis of the current
+            `keras.distribution` (JAX); 1 elsewhere.
+    """
+
+    replica_context: Any = None
+    mesh_replicas: int = 1
+
+    @property
+    def replicas(self):
+        """The replicas a synchronised statistic may span."""
+        if self.replica_context is not None:
+            return self.replica_context.num_replicas_in_sync
+        return self.mesh_replicas
+
+
+def current_context(synchronized):
+    """The `EngineContext` of the current call, looked up once per engine.
+
+    Raises:
+        ValueError: for `synchronized=True` on a backend other than
+            TensorFlow and JAX.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return EngineContext(mesh_replicas=_mesh_replicas())
+    if not synchronized:
+        return EngineContext()
+    if backend != "tensorflow":
+        raise ValueError(
+            "synchronized=True needs TensorFlow's tf.distribute or JAX's keras.distribution "
+            f"and is not supported on the {backend} backend. Received: synchronized=True"
+        )
+    import tensorflow as tf  # Only the synchronised path needs it.
+
+    return EngineContext(replica_context=tf.distribute.get_replica_context())
+
+
+def _mesh_replicas():
+    """Positions on the current `keras.distribution`'s batch axis, else 1."""
+    distribution = keras.distribution.distribution()
+    mesh = getattr(distribution, "device_mesh", None)
+    batch_dim = getattr(distribution, "batch_dim_name", None)
+    if mesh is None or batch_dim is None:
+        return 1
+    return int(mesh.shape[list(mesh.axis_names).index(batch_dim)])
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How one training call partitions its batch (see the module docstring).
+
+    Attributes:
+        slices: S, the slices of the batch axis normalised on their own; 1
+            for none; `None` for ghost batches of a batch whose size is known
+            only at run time.
+        slice_size: the ghost batch size v, or `None`.
+        groups: `None`, or the `moments.ReplicaGroups` that merges moments
+            and gradient sums across `tf.distribute` replicas.
+    """
+
+    slices: Optional[int] = 1
+    slice_size: Optional[int] = None
+    groups: Optional[moments.ReplicaGroups] = None
+
+    @property
+    def sliced(self):
+        return self.slices != 1
+
+    def split(self, x):
+        """(B, ...) → (S, B/S, ...); the identity when not sliced."""
+        if not self.sliced:
+            return x
+        shape = ops.shape(x)
+        if self.slices is None:
+            return ops.reshape(_assert_divisible(x, self.slice_size), (-1, self.slice_size, *shape[1:]))
+        return ops.reshape(x, (self.slices, shape[0] // self.slices, *shape[1:]))
+
+    def merge(self, y):
+        """The inverse of `split`."""
+        if not self.sliced:
+            return y
+        return ops.reshape(y, (-1, *ops.shape(y)[2:]))
+
+    def axes(self, reduction_axes):
+        """The reduction axes after `split` (a leading slice axis is kept)."""
+        if not self.sliced:
+            return reduction_axes
+        return (1,) + tuple(a + 1 for a in reduction_axes if a != 0)
+
+    def per_slice(self, value):
+        """A feature-shaped broadcast value (γ, β) made to broadcast over the slices."""
+        return ops.expand_dims(value, 0) if self.sliced else value
+
+    def split_weights(self, weights, x):
+        """A mask's 0/1 weights split like `x` (already split), or `None`."""
+        if weights is None or not self.sliced:
+            return weights
+        batch = ops.shape(x)[0] * ops.shape(x)[1]
+        return self.split(ops.broadcast_to(weights, (batch, *weights.shape[1:])))
+
+    def moments(self, x, axes, weights=None):
+        """`(count, mean, variance)` of split `x` per slice, merged across replicas."""
+        return normalize.batch_moments(x, axes, weights, self.groups)
+
+    def pool(self, count, mean, variance):
+        """Per-slice moments pooled for the moving statistics.
+
+        Returns the count-weighted mean of the slices' means and of their
+        (biased) variances, i.e. the mean and the pooled within-slice
+        variance, and a count m per feature for which m/(m−1) turns that
+        variance into the pooled unbiased one, Σ M2_s / Σ (n_s − 1) over
+        non-empty slices (m is the slice size when the slices are equal).
+        """
+        if not self.sliced:
+            return count, mean, variance
+        if len(count.shape) == 0:
+            # Equal slices (no mask): plain means, m = the slice's count.
+            return count, ops.mean(mean, axis=0), ops.mean(variance, axis=0)
+        total = ops.sum(count, axis=0)
+        nonempty = ops.sum(ops.cast(count > 0.0, count.dtype), axis=0)
+        pooled_mean = ops.divide_no_nan(ops.sum(count * mean, axis=0), total)
+        pooled_variance = ops.divide_no_nan(ops.sum(count * variance, axis=0), total)
+        return ops.divide_no_nan(total, nonempty), pooled_mean, pooled_variance
+
+
+def make_plan(
+    context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size
+):
+    """The `BatchPlan` of one training call.
+
+    Args:
+        context: the `EngineContext` (`current_context(synchronized)`; tests
+            pass stand-ins).
+        batch_size: int, or `None` when known only at run time.
+        batch_reduced: whether the statistics reduce the batch axis 0 (it is
+            not a feature axis).
+        synchronized: the layer's `synchronized`.
+        group_size: the layer's `sync_group_size` (`None`: all replicas).
+        virtual_batch_size: the layer's `virtual_batch_size` or `None`.
+
+    Raises:
+        ValueError: when the mesh's replicas do not divide the batch, the
+            group size does not divide the replicas, or v does not divide a
+            replica's batch, naming both numbers.
+    """
+    replicas = context.replicas
+    # One replica (or none) needs no grouping: its batch is the whole batch.
+    if synchronized and group_size is not None and replicas > 1 and replicas % group_size:
+        raise ValueError(
+            f"sync_group_size={group_size} must divide the {replicas} replicas in sync. "
+            f"Received: sync_group_size={group_size}, replicas={replicas}"
+        )
+    groups = None
+    if synchronized and context.replica_context is not None and replicas > 1 and group_size != 1:
+        groups = moments.ReplicaGroups(context.replica_context, group_size)
+    if not batch_reduced:
+        return BatchPlan(groups=groups)
+    mesh = context.mesh_replicas
+    if mesh > 1 and (batch_size is None or batch_size % mesh):
+        raise ValueError(
+            f"The batch of {batch_size} examples must split evenly over the {mesh} replicas "
+            f"on the distribution's batch axis. Received: batch_size={batch_size}, replicas={mesh}"
+        )
+    if virtual_batch_size is not None:
+        if batch_size is None:
+            return BatchPlan(slices=None, slice_size=virtual_batch_size, groups=groups)
+        per_replica = batch_size // mesh
+        if per_replica % virtual_batch_size:
+            raise ValueError(
+                f"virtual_batch_size={virtual_batch_size} must divide each replica's batch of "
+                f"{per_replica} examples. Received: virtual_batch_size={virtual_batch_size}, "
+                f"per-replica batch={per_replica}"
+            )
+        return BatchPlan(slices=batch_size // virtual_batch_size, slice_size=virtual_batch_size)
+    if mesh == 1:
+        # One replica: its batch is the whole batch, whatever the grouping
+        # (as under tf.distribute without a strategy).
+        return BatchPlan(groups=groups)
+    if not synchronized:
+        return BatchPlan(slices=mesh)
+    return BatchPlan(slices=mesh // (group_size or mesh))
+
+
+def _assert_divisible(x, size):
+    """`x`, checked at run time to split into ghost batches of `size`.
+
+    Only TensorFlow traces with a batch size unknown until run time; the
+    check comes before the reshape, whose own error would not name v.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return x
+    import tensorflow as tf  # A run-time check: the batch is only known then.
+
+    batch = tf.shape(x)[0]
+    check = tf.debugging.Assert(
+        tf.equal(tf.math.floormod(batch, size), 0),
+        [f"virtual_batch_size={size} must divide each replica's batch of", batch, "examples"],
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(x)

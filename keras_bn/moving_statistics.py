@@ -1,0 +1,86 @@
+"""The moving-statistics update rule, as one pure function.
+
+`update` takes the current moving statistics and one training batch's
+moments and returns the new values; `BatchNormalization` assigns them after
+each training step, and `estimate_population_statistics` accumulates its
+population averages with the same rule.
+"""
+
+import dataclasses
+from typing import Optional
+
+from keras import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The settings of the update rule (a layer's own, see `BatchNormalization`).
+
+    Attributes:
+        momentum: float in [0, 1), the weight of the old value; `None` for
+            the exact cumulative average over batches.
+        unbiased_variance: accumulate m/(m−1)·σ²_B instead of σ²_B.
+        epsilon: the layer's ε (renorm's statistics are standard deviations
+            √(v + ε)).
+        renorm_momentum: Batch Renormalization's momentum, or `None` without
+            renorm.
+    """
+
+    momentum: Optional[float]
+    unbiased_variance: bool
+    epsilon: float
+    renorm_momentum: Optional[float] = None
+
+
+def update(rule, state, mean, variance, count, weight=1.0):
+    """The moving statistics after one training batch.
+
+    With a float momentum every statistic moves as
+    s ← s·momentum + b·(1 − momentum); with `momentum=None` as the exact
+    running average s ← s + (b − s)·w / W, where W = `moving_batches` + w
+    accumulates the batches' weights w (1 each in training). Features with
+    no values in the batch (count 0) keep their statistics; the cumulative
+    weight advances if any feature had values. With renorm the inference
+    variance tracks the standard deviation: `moving_stddev` averages √(v + ε)
+    and `moving_variance` = moving_stddev² − ε (at least 0); `renorm_mean`
+    and `renorm_stddev` average μ_B and √(σ²_B + ε) with `renorm_momentum`.
+
+    Args:
+        rule: the `Rule`.
+        state: dict of the current values: "moving_mean", "moving_variance",
+            and "moving_batches" (with `momentum=None`), "moving_stddev",
+            "renorm_mean", "renorm_stddev" (with renorm).
+        mean: the batch's mean per feature (the statistics' shape).
+        variance: its biased variance σ²_B, shaped like `mean`.
+        count: the values behind each statistic: a scalar, or per feature.
+        weight: the batch's weight w in the cumulative average.
+
+    Returns:
+        A dict with the keys of `state` and the new values.
+    """
+    batch_variance = variance
+    if rule.unbiased_variance:
+        # m/(m−1) for m > 1; a single value carries no spread to correct.
+        variance = variance * ops.where(count > 1.0, count / ops.maximum(count - 1.0, 1.0), 1.0)
+    has_values = ops.cast(count > 0.0, mean.dtype)
+    new = {}
+    if rule.momentum is None:
+        batches = state["moving_batches"] + weight * ops.max(has_values)
+        rate = ops.divide_no_nan(weight * has_values, batches)
+        new["moving_batches"] = batches
+    else:
+        rate = (1.0 - rule.momentum) * has_values
+
+    def move(name, value, rate=rate):
+        new[name] = state[name] * (1.0 - rate) + value * rate
+
+    move("moving_mean", mean)
+    if rule.renorm_momentum is None:
+        move("moving_variance", variance)
+        return new
+    move("moving_stddev", ops.sqrt(variance + rule.epsilon))
+    new["moving_variance"] = ops.relu(ops.square(new["moving_stddev"]) - rule.epsilon)
+    renorm_rate = (1.0 - rule.renorm_momentum) * has_values
+    move("renorm_mean", mean, renorm_rate)
+    move("renorm_stddev", ops.sqrt(batch_variance + rule.epsilon), renorm_rate)
+    return new

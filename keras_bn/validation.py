@@ -1,0 +1,137 @@
+"""Argument checks shared by every public entry point of `keras_bn`.
+
+Each returns the coerced value or raises a `TypeError`/`ValueError` whose
+message ends in `Received: name=value`, as Keras' own layers do.
+"""
+
+import numbers
+
+
+def boolean(name, value):
+    """`value` if it is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"Expected `{name}` to be a bool. Received: {name}={value!r}")
+    return value
+
+
+def optional_int(name, value, minimum, why=""):
+    """`None`, or `value` as an int >= `minimum`; `why` explains the bound."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Expected `{name}` to be an int or None. Received: {name}={value!r}")
+    if value < minimum:
+        raise ValueError(f"Expected `{name}` >= {minimum}{why}. Received: {name}={value}")
+    return int(value)
+
+
+def positive_int(name, value):
+    """`value` as an int >= 1 (bools and `None` are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"Expected `{name}` to be a positive int. Received: {name}={value!r}")
+    return int(value)
+
+
+def axis(value):
+    """An int or a non-empty list/tuple of ints, as a tuple of ints."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(
+        isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in values
+    ):
+        raise TypeError(
+            f"Expected `axis` to be an int or a non-empty list of ints. Received: axis={value!r}"
+        )
+    return tuple(int(a) for a in values)
+
+
+def momentum(value, name="momentum", allow_none=True):
+    """A float in [0, 1), or `None` where `allow_none`."""
+    if value is None and allow_none:
+        return None
+    kind = "a float or None" if allow_none else "a float"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"Expected `{name}` to be {kind}. Received: {name}={value!r}")
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"Expected `{name}` in [0, 1){' or None' if allow_none else ''}. "
+            f"Received: {name}={value}"
+        )
+    return value
+
+
+def epsilon(value):
+    """A float >= 0 (NaN is rejected)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"Expected `epsilon` to be a float. Received: epsilon={value!r}")
+    value = float(value)
+    if not value >= 0.0:  # also rejects NaN
+        raise ValueError(f"Expected `epsilon` >= 0. Received: epsilon={value}")
+    return value
+
+
+_CLIPPING_KEYS = ("rmax", "rmin", "dmax")
+
+
+def renorm_clipping(clipping, renorm):
+    """Batch Renormalization's clipping dict (`{}` for none), `None` without renorm."""
+    if clipping is None:
+        return {} if renorm else None
+    if not renorm:
+        raise ValueError(
+            "`renorm_clipping` only applies with renorm=True. "
+            f"Received: renorm_clipping={clipping!r}, renorm=False"
+        )
+    if not isinstance(clipping, dict):
+        raise TypeError(
+            "Expected `renorm_clipping` to be a dict with keys among rmax, rmin, "
+            f"dmax. Received: renorm_clipping={clipping!r}"
+        )
+    unknown = sorted(set(clipping) - set(_CLIPPING_KEYS))
+    if unknown:
+        raise ValueError(
+            f"Received invalid keys for `renorm_clipping`: {unknown}; supported keys are "
+            f"{list(_CLIPPING_KEYS)}. Received: renorm_clipping={clipping!r}"
+        )
+    for key, value in clipping.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+            raise TypeError(
+                f"Expected `renorm_clipping[{key!r}]` to be a float. "
+                f"Received: renorm_clipping={clipping!r}"
+            )
+    clipping = {key: float(value) for key, value in clipping.items()}
+    if clipping.get("rmax", float("inf")) < clipping.get("rmin", 0.0):
+        raise ValueError(
+            "rmax should be greater than or equal to rmin in `renorm_clipping`. "
+            f"Received: renorm_clipping={clipping!r}"
+        )
+    if clipping.get("dmax", 0.0) < 0.0:
+        raise ValueError(
+            f"dmax should be non-negative in `renorm_clipping`. Received: renorm_clipping={clipping!r}"
+        )
+    return clipping
+
+
+def sync_group_size(value, synchronized):
+    """Replicas per synchronised group: `None` or an int >= 1, only when synchronised."""
+    value = optional_int("sync_group_size", value, 1)
+    if value is not None and not synchronized:
+        raise ValueError(
+            "`sync_group_size` groups replicas for synchronised statistics and needs "
+            f"synchronized=True. Received: sync_group_size={value}, synchronized=False"
+        )
+    return value
+
+
+def virtual_batch_size(value, synchronized):
+    """Ghost batch size: `None` or an int >= 2, not with synchronisation."""
+    value = optional_int(
+        "virtual_batch_size", value, 2, " (a ghost batch of one example has no spread to normalise)"
+    )
+    if value is not None and synchronized:
+        raise ValueError(
+            "Ghost batches are sub-batches of one replica's batch, normalised on their own, "
+            "while synchronized=True merges batches across replicas; use one or the other. "
+            f"Received: virtual_batch_size={value}, synchronized=True"
+        )
+    return value
