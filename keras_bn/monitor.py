@@ -16,7 +16,8 @@ class BatchNormMonitor(keras.callbacks.Callback):
     The most common production failure of batch normalisation is silent: the
     moving statistics used at inference drift away from what training sees
     (stale statistics, a changed input pipeline, a layer left in the wrong
-    mode), and results just get worse. Every `every_n_steps` optimizer steps
+    mode), and results just get worse. Every `every_n_steps` optimizer steps,
+    and once more at the end of training if the last step was not logged
     (at the first batch end at or past each multiple, so also with
     `steps_per_execution` > 1; Keras' per-batch hook dispatch is then paid
     once per execution instead of once per step) the monitor runs the model in inference mode on a fixed `probe_data`
@@ -51,6 +52,9 @@ class BatchNormMonitor(keras.callbacks.Callback):
     own loop call `write_summaries(model, step)` inside their own writer
     (every worker may call it) instead of using the callback hooks.
 
+    The monitor needs TensorFlow (for `tf.summary`) on every Keras backend:
+    install it with `pip install "keras-bn[tensorflow]"`.
+
     Args:
         log_dir: directory for the callback's TensorBoard event file (`None`
             to use only `write_summaries` with a caller's writer).
@@ -61,6 +65,7 @@ class BatchNormMonitor(keras.callbacks.Callback):
             name to its group's name (aggregates).
 
     Raises:
+        ImportError: when TensorFlow is not installed.
         ValueError: for a bad `every_n_steps`, and at the first log for a
             model without keras_bn layers or whose layers' inputs cannot be
             reached from its inputs (not Sequential/functional).
@@ -73,6 +78,7 @@ class BatchNormMonitor(keras.callbacks.Callback):
 
     def __init__(self, log_dir, probe_data, every_n_steps=100, group_by=None):
         super().__init__()
+        _require_tensorflow()
         self.log_dir = log_dir
         self.probe_data = probe_data
         self.every_n_steps = validation.positive_int("every_n_steps", every_n_steps)
@@ -112,6 +118,12 @@ class BatchNormMonitor(keras.callbacks.Callback):
             self._epoch_start = self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def on_train_end(self, logs=None):
+        # The final state is always logged, so every `fit` leaves a point
+        # (also one shorter than `every_n_steps`).
+        with self._lock:
+            if self._step > self._logged_step:
+                self._logged_step = self._step
+                self._log(self._step)
         if self._writer is not None:
             self._writer.flush()
 
@@ -209,6 +221,17 @@ class BatchNormMonitor(keras.callbacks.Callback):
                      {k: np.asarray(v) for k, v in w.items()}))
             for layer, (mean, variance), w in zip(layers, moments, weights)
         ]
+
+
+def _require_tensorflow():
+    """The monitor writes with `tf.summary`; without TensorFlow it says what to install."""
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "keras_bn.BatchNormMonitor writes TensorBoard summaries with TensorFlow's "
+            'tf.summary, and TensorFlow is not installed: pip install "keras-bn[tensorflow]"'
+        ) from error
 
 
 def _strategy(model):

@@ -1,6 +1,8 @@
 """Tests of keras_bn.BatchNormMonitor."""
 
+import sys
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -62,6 +64,19 @@ class MonitorTest(parameterized.TestCase):
         tags = tensorboard_events.read_events(log_dir)
         self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [6, 9, 12, 16])
 
+    def test_a_fit_shorter_than_every_n_steps_logs_its_end(self):
+        log_dir, (x, y), model = tempfile.mkdtemp(), _data(40), _compiled_model()
+        monitor = keras_bn.BatchNormMonitor(log_dir, x[:16])  # every_n_steps=100
+        model.fit(x, y, batch_size=4, epochs=1, callbacks=[monitor], verbose=0)  # 10 steps.
+        tags = tensorboard_events.read_events(log_dir)
+        self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [10])
+        self.assertLen(tags["bn_b/moving_mean"], 1)
+
+    def test_without_tensorflow_names_what_to_install(self):
+        with mock.patch.dict(sys.modules, {"tensorflow": None}):
+            with self.assertRaisesRegex(ImportError, r'pip install "keras-bn\[tensorflow\]"'):
+                keras_bn.BatchNormMonitor(None, np.zeros((2, 6), np.float32))
+
     def test_gap_and_drifts_match_numpy(self):
         x, _ = _data(32, 1)
         model = _model()
@@ -112,7 +127,10 @@ class MonitorTest(parameterized.TestCase):
         model.fit(x, y, batch_size=8, epochs=2, callbacks=[monitor], verbose=0)  # 2 x 8 steps.
         model.fit(x, y, batch_size=16, epochs=1, callbacks=[monitor], verbose=0)  # Steps 17-20.
         tags = tensorboard_events.read_events(log_dir)
-        self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [3, 6, 9, 12, 15, 18])
+        # Every 3 steps across both fits, plus each fit's last step (16, 20).
+        self.assertEqual(
+            [s for s, _ in tags["bn_a/train_inference_gap"]], [3, 6, 9, 12, 15, 16, 18, 20]
+        )
 
     def test_mirrored_strategy_probes_the_first_replica(self):
         log_dir, (x, y) = tempfile.mkdtemp(), _data()
