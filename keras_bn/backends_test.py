@@ -144,6 +144,22 @@ class BackendTest(parameterized.TestCase):
         # Inference ignores the ghost batch size.
         self.assertEqual(tuple(layer(x[:3], training=False).shape), (3, 3))
 
+    def test_converted_model_trains_after_its_original(self):
+        x, y = _data((32, 6), 5), _data((32, 1), 6)
+        original = keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ])
+        converted = keras_bn.convert_batch_norm(original)
+        for model in (original, converted):  # The original first: its buffers are donated.
+            model.compile(keras.optimizers.SGD(0.01), "mse")
+            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+            self.assertTrue(np.all(np.isfinite(history.history["loss"])))
+        self.assertFalse(np.array_equal(
+            keras.ops.convert_to_numpy(original.layers[1].moving_mean),
+            keras.ops.convert_to_numpy(converted.layers[1].moving_mean),
+        ))
+
     def test_synchronized_needs_a_distribution_engine(self):
         if BACKEND in ("tensorflow", "jax"):
             self.skipTest(f"synchronized=True is supported on {BACKEND} (its own tests)")

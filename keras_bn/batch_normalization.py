@@ -44,6 +44,21 @@ class BatchNormalization(keras.layers.Layer):
     A batch with no values for a feature leaves that feature's statistics
     unchanged.
 
+    Non-finite batches. One batch that overflows (e.g. under `mixed_float16`,
+    where the loss-scale optimizer then skips the step) would otherwise put
+    NaN or inf into the moving statistics for good, and every later
+    inference with them. With `skip_nonfinite_updates=True` (the default), a
+    training batch whose mean or variance is not finite in any feature
+    leaves all moving statistics unchanged (the decision is for the whole
+    update, not per feature) and adds 1 to the non-trainable weight
+    `skipped_updates`. The batch's own output is not altered: its loss is
+    non-finite as it would be anyway.
+
+    Warm-up. With `momentum_warmup=True` the momentum of update t (the
+    weight `num_updates`) is min(momentum, (1 + t)/(10 + t)), TensorFlow's
+    `ExponentialMovingAverage(num_updates=...)` rule: early moving
+    statistics follow the data instead of their initial values.
+
     Which examples share statistics. By default each replica's own batch.
     `synchronized=True` uses the global batch of all replicas under
     `tf.distribute` (`MirroredStrategy`, `MultiWorkerMirroredStrategy`,
@@ -65,7 +80,8 @@ class BatchNormalization(keras.layers.Layer):
 
     Precision. Statistics and arithmetic are in float32 for float16,
     bfloat16 and float32 inputs, and in float64 for a float64 layer; the
-    output is in the layer's `compute_dtype`. Integer inputs are refused.
+    output is in the layer's `compute_dtype`. Integer inputs are cast to the
+    statistics' dtype, as Keras does; boolean and complex inputs are refused.
 
     Backends. Local statistics and ghost batches run on every Keras 3
     backend; `synchronized=True` needs TensorFlow or JAX. As in Keras, a
@@ -98,6 +114,12 @@ class BatchNormalization(keras.layers.Layer):
             missing ones mean no clipping on that side.
         renorm_momentum: float in [0, 1), default 0.99. Momentum of
             `renorm_mean` and `renorm_stddev`.
+        skip_nonfinite_updates: bool, default True. Skip (and count) the
+            update of a batch with non-finite statistics. Turn it off to
+            keep Keras' exact weights (no `skipped_updates`) or to let a
+            non-finite batch show in the moving statistics while debugging.
+        momentum_warmup: bool, default False. Warm the momentum up over the
+            first updates; needs a float `momentum`.
         beta_initializer: default "zeros".
         gamma_initializer: default "ones".
         moving_mean_initializer: default "zeros".
@@ -131,7 +153,7 @@ class BatchNormalization(keras.layers.Layer):
             a `virtual_batch_size` that does not divide a replica's batch,
             or (`keras.distribution`) a batch that does not split evenly
             over the replicas.
-        TypeError: for non-float inputs or an argument of the wrong type.
+        TypeError: for non-numeric inputs or an argument of the wrong type.
         RuntimeError: when a synchronised call runs where its collective
             cannot (a `tf.function` nested in `strategy.run`).
 
@@ -161,6 +183,8 @@ class BatchNormalization(keras.layers.Layer):
         renorm=False,
         renorm_clipping=None,
         renorm_momentum=0.99,
+        skip_nonfinite_updates=True,
+        momentum_warmup=False,
         beta_initializer="zeros",
         gamma_initializer="ones",
         moving_mean_initializer="zeros",
@@ -188,6 +212,15 @@ class BatchNormalization(keras.layers.Layer):
         self.renorm_momentum = validation.momentum(
             renorm_momentum, "renorm_momentum", allow_none=False
         )
+        self.skip_nonfinite_updates = validation.boolean(
+            "skip_nonfinite_updates", skip_nonfinite_updates
+        )
+        self.momentum_warmup = validation.boolean("momentum_warmup", momentum_warmup)
+        if self.momentum_warmup and self.momentum is None:
+            raise ValueError(
+                "momentum_warmup warms up a float momentum; momentum=None already is the exact "
+                "cumulative average. Received: momentum_warmup=True, momentum=None"
+            )
         self.beta_initializer = initializers.get(beta_initializer)
         self.gamma_initializer = initializers.get(gamma_initializer)
         self.moving_mean_initializer = initializers.get(moving_mean_initializer)
@@ -200,6 +233,7 @@ class BatchNormalization(keras.layers.Layer):
         self.gamma = self.beta = None
         self.moving_mean = self.moving_variance = self.moving_batches = None
         self.moving_stddev = self.renorm_mean = self.renorm_stddev = None
+        self.skipped_updates = self.num_updates = None
         self._feature_axes = None
 
     @property
@@ -220,6 +254,8 @@ class BatchNormalization(keras.layers.Layer):
             unbiased_variance=self.unbiased_variance,
             epsilon=self.epsilon,
             renorm_momentum=self.renorm_momentum if self.renorm else None,
+            skip_nonfinite=self.skip_nonfinite_updates,
+            momentum_warmup=self.momentum_warmup,
         )
 
     def build(self, input_shape):
@@ -248,6 +284,10 @@ class BatchNormalization(keras.layers.Layer):
         )
         if self.momentum is None:
             self.moving_batches = self._statistic("moving_batches", (), initializers.Zeros())
+        if self.momentum_warmup:
+            self.num_updates = self._statistic("num_updates", (), initializers.Zeros())
+        if self.skip_nonfinite_updates:
+            self.skipped_updates = self._statistic("skipped_updates", (), initializers.Zeros())
         if self.renorm:
             # Stddevs start at √ of the variance initializer, as in Keras.
             variance_init = self.moving_variance_initializer
@@ -378,11 +418,11 @@ class BatchNormalization(keras.layers.Layer):
         return ops.cast(plan.merge(y), self.compute_dtype)
 
     def _statistics_input(self, inputs):
-        """`inputs` in the statistics' dtype; non-float inputs are refused."""
-        if not keras.backend.is_float_dtype(inputs.dtype):
+        """`inputs` in the statistics' dtype; integers are cast, bool and complex refused."""
+        dtype = keras.backend.standardize_dtype(inputs.dtype)
+        if not (keras.backend.is_float_dtype(dtype) or keras.backend.is_int_dtype(dtype)):
             raise TypeError(
-                f"{type(self).__name__} needs floating-point inputs. "
-                f"Received: inputs.dtype={keras.backend.standardize_dtype(inputs.dtype)}"
+                f"{type(self).__name__} needs real numeric inputs. Received: inputs.dtype={dtype}"
             )
         return ops.cast(inputs, self.statistics_dtype)
 
@@ -477,6 +517,8 @@ class BatchNormalization(keras.layers.Layer):
                 "renorm": self.renorm,
                 "renorm_clipping": self.renorm_clipping,
                 "renorm_momentum": self.renorm_momentum,
+                "skip_nonfinite_updates": self.skip_nonfinite_updates,
+                "momentum_warmup": self.momentum_warmup,
                 "beta_initializer": initializers.serialize(
                     self.beta_initializer
                 ),

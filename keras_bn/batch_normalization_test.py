@@ -488,6 +488,10 @@ class ValidationTest(parameterized.TestCase):
         ("group_size_bool", {"synchronized": True, "sync_group_size": True}, TypeError, r"Received: sync_group_size=True"),
         ("group_size_zero", {"synchronized": True, "sync_group_size": 0}, ValueError, r">= 1. Received: sync_group_size=0"),
         ("group_size_unsynchronized", {"sync_group_size": 2}, ValueError, r"needs synchronized=True. Received: sync_group_size=2"),
+        ("skip_type", {"skip_nonfinite_updates": 0}, TypeError, r"Received: skip_nonfinite_updates=0"),
+        ("warmup_type", {"momentum_warmup": "on"}, TypeError, r"Received: momentum_warmup='on'"),
+        ("warmup_cumulative", {"momentum_warmup": True, "momentum": None}, ValueError,
+         r"Received: momentum_warmup=True, momentum=None"),
     )
     def test_constructor_rejects(self, kwargs, error, pattern):
         with self.assertRaisesRegex(error, pattern):
@@ -517,9 +521,17 @@ class ValidationTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, r"expected axis -1|expected axis 1"):
             layer(np.ones((4, 5), np.float32))
 
-    def test_non_float_input(self):
-        with self.assertRaisesRegex(TypeError, r"floating-point.*Received: inputs.dtype=int32"):
-            BatchNormalization()(np.ones((4, 3), np.int32))
+    def test_non_numeric_input(self):
+        with self.assertRaisesRegex(TypeError, r"real numeric inputs.*Received: inputs.dtype=bool"):
+            BatchNormalization()(np.ones((4, 3), bool))
+
+    @parameterized.parameters("int32", "int64", "uint8")
+    def test_integer_inputs_are_cast(self, dtype):
+        x = np.arange(12).reshape(4, 3).astype(dtype)
+        layer = BatchNormalization()
+        expected = references.reference_batch_norm(x, 1.0, 0.0, (-1,), 1e-3)
+        np.testing.assert_allclose(layer(x, training=True), expected, rtol=1e-5, atol=1e-5)
+        self.assertEqual(keras.backend.standardize_dtype(layer(x).dtype), "float32")
 
     def test_static_single_value_training_batch(self):
         with self.assertRaisesRegex(ValueError, r"m=1.*Received: inputs.shape=\(1, 3\)"):

@@ -3,6 +3,7 @@
 import inspect
 
 import keras
+import numpy as np
 
 from keras_bn.batch_normalization import BatchNormalization
 
@@ -92,6 +93,10 @@ def _copy_weights(source, target):
             mine = {w.name: w for w in twin.weights}
             for weight in layer.weights:
                 if weight.name in mine:
-                    mine[weight.name].assign(keras.ops.cast(weight, mine[weight.name].dtype))
+                    # A NumPy copy: assigning the source array itself can
+                    # share its buffer (JAX), which training the original
+                    # (fit donates buffers) would then delete.
+                    value = np.array(keras.ops.convert_to_numpy(weight), copy=True)
+                    mine[weight.name].assign(value.astype(mine[weight.name].dtype))
         elif layer.weights:
             twin.set_weights(layer.get_weights())

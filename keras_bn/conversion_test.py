@@ -59,7 +59,9 @@ class ConvertTest(parameterized.TestCase):
         converted = keras_bn.convert_batch_norm(model)
         self.assertEqual(_bn_classes(converted), [keras_bn.BatchNormalization] * 3)
         np.testing.assert_allclose(converted(x, training=False), before, rtol=1e-5, atol=1e-5)
-        self.assertEqual(converted.count_params(), model.count_params())
+        # The same parameters, plus the skipped_updates counter of each of the two
+        # converted Keras layers (skip_nonfinite_updates=True by default).
+        self.assertEqual(converted.count_params(), model.count_params() + 2)
         inner_bn = converted.get_layer("inner").get_layer("inner_bn")
         self.assertTrue(inner_bn.renorm)
         self.assertEqual(inner_bn.renorm_clipping, {"rmax": 2.0})

@@ -17,7 +17,7 @@ def _randomize_statistics(model, seed):
                 shape = weight.shape
                 if weight.name == "moving_variance":
                     weight.assign(rng.uniform(0.2, 3.0, shape).astype(np.float32))
-                elif weight.name != "moving_batches":
+                elif weight.name not in ("moving_batches", "skipped_updates", "num_updates"):  # counters
                     weight.assign(rng.randn(*shape).astype(np.float32))
 
 

@@ -94,6 +94,22 @@ class JaxDistributionTest(parameterized.TestCase):
             _moving(layer, updated, "moving_variance"), 0.5 + 0.5 * expected["variance"], rtol=1e-5
         )
 
+    @parameterized.named_parameters(*SETTINGS)
+    def test_one_replica_non_finite_skips_the_update(self, kwargs, slices):
+        del slices
+        x = X.copy()
+        x[BATCH - 1, 2] = np.nan  # Only the last replica's slice is non-finite.
+        distribution = _data_parallel()
+        with distribution.scope():
+            layer = _layer(**kwargs)
+            step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
+            _, _, updated = step(
+                trainable, non_trainable, _distribute(distribution, x), _distribute(distribution, UPSTREAM)
+            )
+        np.testing.assert_array_equal(_moving(layer, updated, "moving_mean"), np.zeros(CHANNELS))
+        np.testing.assert_array_equal(_moving(layer, updated, "moving_variance"), np.ones(CHANNELS))
+        self.assertEqual(float(_moving(layer, updated, "skipped_updates")), 1.0)
+
     @parameterized.named_parameters(("global", None), ("group2", 2))
     def test_large_offset_variance_at_first_step(self, group_size):
         x = (1e4 + np.random.RandomState(1).randn(BATCH, CHANNELS)).astype(np.float32)

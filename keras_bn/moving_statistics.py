@@ -24,12 +24,18 @@ class Rule:
             √(v + ε)).
         renorm_momentum: Batch Renormalization's momentum, or `None` without
             renorm.
+        skip_nonfinite: keep every statistic as it was when the batch's
+            mean or variance has a non-finite value, and count the skip.
+        momentum_warmup: use min(momentum, (1 + t)/(10 + t)) at update t
+            (TensorFlow's `ExponentialMovingAverage(num_updates=t)` rule).
     """
 
     momentum: Optional[float]
     unbiased_variance: bool
     epsilon: float
     renorm_momentum: Optional[float] = None
+    skip_nonfinite: bool = False
+    momentum_warmup: bool = False
 
 
 def update(rule, state, mean, variance, count, weight=1.0):
@@ -45,11 +51,19 @@ def update(rule, state, mean, variance, count, weight=1.0):
     and `moving_variance` = moving_stddev² − ε (at least 0); `renorm_mean`
     and `renorm_stddev` average μ_B and √(σ²_B + ε) with `renorm_momentum`.
 
+    With `rule.momentum_warmup` the momentum at update t ("num_updates",
+    counting the updates with values) is min(momentum, (1 + t)/(10 + t)),
+    so early statistics are not dominated by their initial values. With
+    `rule.skip_nonfinite` a batch whose mean or variance holds a non-finite
+    value in any feature leaves the whole state unchanged (counts, warm-up
+    step and renorm statistics included) and adds 1 to "skipped_updates".
+
     Args:
         rule: the `Rule`.
         state: dict of the current values: "moving_mean", "moving_variance",
             and "moving_batches" (with `momentum=None`), "moving_stddev",
-            "renorm_mean", "renorm_stddev" (with renorm).
+            "renorm_mean", "renorm_stddev" (with renorm), "num_updates"
+            (with warm-up), "skipped_updates" (with `skip_nonfinite`).
         mean: the batch's mean per feature (the statistics' shape).
         variance: its biased variance σ²_B, shaped like `mean`.
         count: the values behind each statistic: a scalar, or per feature.
@@ -68,6 +82,11 @@ def update(rule, state, mean, variance, count, weight=1.0):
         batches = state["moving_batches"] + weight * ops.max(has_values)
         rate = ops.divide_no_nan(weight * has_values, batches)
         new["moving_batches"] = batches
+    elif rule.momentum_warmup:
+        step = state["num_updates"]
+        momentum = ops.minimum(rule.momentum, (1.0 + step) / (10.0 + step))
+        rate = (1.0 - momentum) * has_values
+        new["num_updates"] = step + ops.max(has_values)
     else:
         rate = (1.0 - rule.momentum) * has_values
 
@@ -77,10 +96,17 @@ def update(rule, state, mean, variance, count, weight=1.0):
     move("moving_mean", mean)
     if rule.renorm_momentum is None:
         move("moving_variance", variance)
+    else:
+        move("moving_stddev", ops.sqrt(variance + rule.epsilon))
+        new["moving_variance"] = ops.relu(ops.square(new["moving_stddev"]) - rule.epsilon)
+        renorm_rate = (1.0 - rule.renorm_momentum) * has_values
+        move("renorm_mean", mean, renorm_rate)
+        move("renorm_stddev", ops.sqrt(batch_variance + rule.epsilon), renorm_rate)
+    if not rule.skip_nonfinite:
         return new
-    move("moving_stddev", ops.sqrt(variance + rule.epsilon))
-    new["moving_variance"] = ops.relu(ops.square(new["moving_stddev"]) - rule.epsilon)
-    renorm_rate = (1.0 - rule.renorm_momentum) * has_values
-    move("renorm_mean", mean, renorm_rate)
-    move("renorm_stddev", ops.sqrt(batch_variance + rule.epsilon), renorm_rate)
-    return new
+    # One decision for the whole update: under synchronisation every replica
+    # holds the same merged moments, so all copies skip alike.
+    finite = ops.logical_and(ops.all(ops.isfinite(mean)), ops.all(ops.isfinite(variance)))
+    kept = {name: ops.where(finite, value, state[name]) for name, value in new.items()}
+    kept["skipped_updates"] = state["skipped_updates"] + 1.0 - ops.cast(finite, mean.dtype)
+    return kept

@@ -4,13 +4,17 @@ The test module shipped in the installed `keras` wheel
 (`keras/src/layers/normalization/batch_normalization_test.py`) is imported at
 test time, and every test of its `BatchNormalizationTest` runs with the
 module's `layers.BatchNormalization` resolving to
-`keras_bn.BatchNormalization`; every other `layers.X` stays Keras'. Nothing of
-Keras' test code is copied here. No test is excluded.
+`keras_bn.BatchNormalization` in its Keras-compatible configuration
+(`skip_nonfinite_updates=False`: the guard's `skipped_updates` weight is one
+non-trainable weight more than the suite counts); every other `layers.X`
+stays Keras'. Nothing of Keras' test code is copied here. No test is
+excluded.
 """
 
 import importlib
 import types
 
+import keras
 import pytest
 
 import keras_bn
@@ -21,6 +25,14 @@ except ImportError as error:  # A Keras build without its tests.
     pytest.skip(f"the installed keras ships no batch_normalization_test: {error}", allow_module_level=True)
 
 
+@keras.saving.register_keras_serializable(package="keras_bn_tests")
+class KerasCompatibleBatchNormalization(keras_bn.BatchNormalization):
+    """keras_bn's layer with Keras' set of weights: no non-finite guard."""
+
+    def __init__(self, skip_nonfinite_updates=False, **kwargs):
+        super().__init__(skip_nonfinite_updates=skip_nonfinite_updates, **kwargs)
+
+
 class _LayersWithOurs(types.ModuleType):
     """Keras' `layers` module with `BatchNormalization` replaced by ours."""
 
@@ -28,7 +40,7 @@ class _LayersWithOurs(types.ModuleType):
         super().__init__(layers.__name__)
         self._layers = layers
 
-    BatchNormalization = keras_bn.BatchNormalization
+    BatchNormalization = KerasCompatibleBatchNormalization
 
     def __getattr__(self, name):
         return getattr(self._layers, name)
@@ -43,5 +55,6 @@ class KerasSuiteTest(keras_suite.BatchNormalizationTest):
         self.addCleanup(setattr, keras_suite, "layers", original)
 
     def test_substitution_is_in_effect(self):
-        self.assertIs(keras_suite.layers.BatchNormalization, keras_bn.BatchNormalization)
+        self.assertIs(keras_suite.layers.BatchNormalization, KerasCompatibleBatchNormalization)
+        self.assertTrue(issubclass(KerasCompatibleBatchNormalization, keras_bn.BatchNormalization))
 
