@@ -31,6 +31,8 @@ class BatchNormMonitor(keras.callbacks.Callback):
     - `<layer>/mean_drift`: RMS over features of (μ_B − moving_mean) / σ_B.
     - `<layer>/variance_drift`: RMS over features of
       ln((moving_variance + ε) / (σ²_B + ε)).
+    - `<layer>/skipped_updates`: the updates the layer skipped for a
+      non-finite batch (`skip_nonfinite_updates=True`).
     - histograms `<layer>/moving_mean`, `<layer>/moving_variance`,
       `<layer>/gamma`, `<layer>/beta`.
 
@@ -41,6 +43,7 @@ class BatchNormMonitor(keras.callbacks.Callback):
     With `group_by` (a function from a layer name to a group name, for
     networks with many BN layers) it logs aggregates instead:
     `batch_norm/worst_train_inference_gap`, `batch_norm/median_train_inference_gap`,
+    `batch_norm/skipped_updates` (the sum over layers),
     `<group>/worst_train_inference_gap`, and the histograms per group
     (`<group>/moving_mean`, ...), the group's layers concatenated.
 
@@ -170,11 +173,15 @@ class BatchNormMonitor(keras.callbacks.Callback):
 
         states = self._probe_state(model)
         results = [(layer, _layer_health(layer, *state)) for layer, state in states]
-        weights = {layer: state[2] for layer, state in states}
+        weights = {layer: dict(state[2]) for layer, state in states}
+        skipped = {layer: w.pop("skipped_updates", None) for layer, w in weights.items()}
         if self.group_by is None:
             for layer, metrics in results:
                 for name, value in metrics.items():
                     scalar(f"{layer.name}/{name}", value, _DESCRIPTIONS[name])
+                if skipped[layer] is not None:
+                    scalar(f"{layer.name}/skipped_updates", float(skipped[layer]),
+                           _DESCRIPTIONS["skipped_updates"])
                 for name, values in weights[layer].items():
                     histogram(f"{layer.name}/{name}", values)
         else:
@@ -183,6 +190,10 @@ class BatchNormMonitor(keras.callbacks.Callback):
                    "Largest train/inference gap over all BN layers. " + _DESCRIPTIONS["train_inference_gap"])
             scalar("batch_norm/median_train_inference_gap", float(np.median(gaps)),
                    "Median train/inference gap over all BN layers.")
+            counts = [float(c) for c in skipped.values() if c is not None]
+            if counts:
+                scalar("batch_norm/skipped_updates", sum(counts),
+                       "Sum over BN layers. " + _DESCRIPTIONS["skipped_updates"])
             groups = {}
             for layer, metrics in results:
                 groups.setdefault(self.group_by(layer.name), []).append((layer, metrics))
@@ -281,6 +292,9 @@ _DESCRIPTIONS = {
         "of the training-mode output's standard deviation: 0 when the moving statistics match the "
         "batch, about 1 when they are unrelated."
     ),
+    "skipped_updates": (
+        "Training batches whose non-finite statistics the layer kept out of its moving statistics."
+    ),
     "mean_drift": "RMS over features of (batch mean − moving mean) / batch std on the probe batch.",
     "variance_drift": "RMS over features of ln((moving variance + ε) / (batch variance + ε)) on the probe batch.",
 }
@@ -292,6 +306,7 @@ def _weight_variables(layer):
         "moving_variance": layer.moving_variance,
         "gamma": layer.gamma,
         "beta": layer.beta,
+        "skipped_updates": layer.skipped_updates,
     }
     return {k: v for k, v in out.items() if v is not None}
 

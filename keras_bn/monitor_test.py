@@ -72,6 +72,22 @@ class MonitorTest(parameterized.TestCase):
         self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [10])
         self.assertLen(tags["bn_b/moving_mean"], 1)
 
+    def test_logs_skipped_updates(self):
+        log_dir, (x, y), model = tempfile.mkdtemp(), _data(32), _compiled_model()
+        monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=4)
+        model.fit(x, y, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)  # Steps 1-4.
+        bad = np.full((8, 5), np.nan, np.float32)
+        model.get_layer("bn_a")(bad, training=True)  # A non-finite batch, skipped.
+        model.fit(x, y, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)  # Steps 5-8.
+        tags = tensorboard_events.read_events(log_dir)
+        self.assertEqual(tags["bn_a/skipped_updates"], [(4, 0.0), (8, 1.0)])
+        self.assertEqual(tags["bn_b/skipped_updates"], [(4, 0.0), (8, 0.0)])
+        grouped_dir = tempfile.mkdtemp()
+        grouped = keras_bn.BatchNormMonitor(grouped_dir, x[:16], group_by=lambda name: "all")
+        model.fit(x, y, batch_size=8, epochs=1, callbacks=[grouped], verbose=0)
+        self.assertEqual(tensorboard_events.read_events(grouped_dir)["batch_norm/skipped_updates"],
+                         [(12, 1.0)])
+
     def test_without_tensorflow_names_what_to_install(self):
         with mock.patch.dict(sys.modules, {"tensorflow": None}):
             with self.assertRaisesRegex(ImportError, r'pip install "keras-bn\[tensorflow\]"'):
