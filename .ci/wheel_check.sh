@@ -11,7 +11,12 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-python -m build --wheel --outdir "$work/dist" "$repo" > "$work/build.log" 2>&1 \
+# Built from a copy of what a wheel is made of, so that no build/ folder of
+# an earlier build in the checkout (it may hold deleted modules) is reused.
+mkdir "$work/src"
+cp -r "$repo"/{setup.cfg,setup.py,pyproject.toml,README.md,keras_bn} "$work/src/"
+find "$work/src" -name __pycache__ -prune -exec rm -rf {} +
+python -m build --wheel --outdir "$work/dist" "$work/src" > "$work/build.log" 2>&1 \
   || { cat "$work/build.log"; exit 1; }
 wheel=("$work"/dist/keras_bn-*.whl)
 python - "${wheel[0]}" <<'PY'
