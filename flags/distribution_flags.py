@@ -13,12 +13,13 @@ DISTRIBUTION_STRATEGY = flags.DEFINE_enum(
     "from TF_CONFIG; tpu: the TPU named by --tpu.",
 )
 TPU = flags.DEFINE_string(
-    "tpu", None,
-    "TPU name or grpc:// address, with --distribution_strategy=tpu; 'local' "
-    "for a TPU VM.",
+    "tpu",
+    None,
+    "TPU name or grpc:// address, with --distribution_strategy=tpu; 'local' for a TPU VM.",
 )
 SYNC_BATCH_NORM = flags.DEFINE_bool(
-    "sync_batch_norm", False,
+    "sync_batch_norm",
+    False,
     "Normalise with global-batch moments across replicas "
     "(keras_bn.BatchNormalization(synchronized=True)).",
 )
@@ -34,19 +35,22 @@ flags.register_multi_flags_validator(
     message="--distribution_strategy=tpu needs --tpu (a name, address or 'local').",
 )
 NUM_CPU_DEVICES = flags.DEFINE_integer(
-    "num_cpu_devices", None,
+    "num_cpu_devices",
+    None,
     "Split the CPU into this many logical devices before creating the "
     "strategy, to run multi-replica code on a machine without accelerators.",
     lower_bound=1,
 )
 NUM_GPU_DEVICES = flags.DEFINE_integer(
-    "num_gpu_devices", None,
+    "num_gpu_devices",
+    None,
     "Split GPU 0 into this many logical GPUs (16 GiB each) before creating "
     "the strategy, to run multi-replica code on a one-GPU machine.",
     lower_bound=1,
 )
 SYNC_GROUP_SIZE = flags.DEFINE_integer(
-    "sync_group_size", None,
+    "sync_group_size",
+    None,
     "With --sync_batch_norm: normalise over consecutive groups of this many "
     "replicas instead of all (keras_bn.BatchNormalization(sync_group_size=k)); "
     "must divide the replica count. Default: all replicas.",
@@ -60,7 +64,14 @@ flags.register_multi_flags_validator(
 )
 
 # Every distribution flag, for the trainers' configs.
-HOLDERS = (DISTRIBUTION_STRATEGY, TPU, NUM_CPU_DEVICES, NUM_GPU_DEVICES, SYNC_BATCH_NORM, SYNC_GROUP_SIZE)
+HOLDERS = (
+    DISTRIBUTION_STRATEGY,
+    TPU,
+    NUM_CPU_DEVICES,
+    NUM_GPU_DEVICES,
+    SYNC_BATCH_NORM,
+    SYNC_GROUP_SIZE,
+)
 
 
 def check_sync_group_size(sync_group_size, num_replicas):

@@ -13,20 +13,42 @@ FLAGS = flags.FLAGS
 
 
 class FlagsTest(parameterized.TestCase):
-
     def test_defaults(self):
         with flagsaver.flagsaver():
             FLAGS(["prog"])
             self.assertEqual(run_flags.MODEL_DIR.value, "runs/default")
             self.assertIsNone(run_flags.DATA_DIR.value)
-            self.assertIsNone(training_flags.TRAIN_STEPS.value)
             self.assertEqual(distribution_flags.DISTRIBUTION_STRATEGY.value, "off")
+
+    def test_trainer_sets_its_defaults_of_the_training_flags(self):
+        # Each trainer sets these at import; a flag given on the command line keeps its value.
+        with flagsaver.flagsaver():
+            training_flags.set_defaults(
+                train_steps=7, batch_size=3, learning_rate=None, eval_every=2
+            )
+            FLAGS(["prog", "--batch_size=5"])
+            self.assertEqual(training_flags.TRAIN_STEPS.value, 7)
+            self.assertEqual(FLAGS["train_steps"].default, 7)
+            self.assertEqual(training_flags.BATCH_SIZE.value, 5)
+            self.assertIsNone(training_flags.LEARNING_RATE.value)
+            self.assertEqual(training_flags.EVAL_EVERY.value, 2)
 
     def test_parses_values(self):
         with flagsaver.flagsaver():
-            FLAGS(["prog", "--train_steps=7", "--batch_size=32", "--learning_rate=0.25",
-                   "--seed=3", "--eval_every=2", "--distribution_strategy=tpu", "--tpu=local",
-                   "--data_dir=/d", "--model_dir=/m"])
+            FLAGS(
+                [
+                    "prog",
+                    "--train_steps=7",
+                    "--batch_size=32",
+                    "--learning_rate=0.25",
+                    "--seed=3",
+                    "--eval_every=2",
+                    "--distribution_strategy=tpu",
+                    "--tpu=local",
+                    "--data_dir=/d",
+                    "--model_dir=/m",
+                ]
+            )
             self.assertEqual(training_flags.TRAIN_STEPS.value, 7)
             self.assertEqual(training_flags.BATCH_SIZE.value, 32)
             self.assertEqual(training_flags.LEARNING_RATE.value, 0.25)
@@ -41,9 +63,21 @@ class FlagsTest(parameterized.TestCase):
         ("bad_enum", "--distribution_strategy=horovod", r"distribution_strategy.*one of"),
         ("empty_model_dir", "--model_dir= ", r"model_dir must not be empty"),
         ("tpu_without_address", "--distribution_strategy=tpu", r"needs --tpu"),
-        ("address_without_tpu", "--tpu=grpc://1.2.3.4:8470", r"only used with --distribution_strategy=tpu"),
-        ("zero_group_size", "--sync_group_size=0", r"--sync_group_size=0: 0 is not a positive integer"),
-        ("group_size_without_sync", "--sync_group_size=2", r"--sync_group_size groups.*needs --sync_batch_norm"),
+        (
+            "address_without_tpu",
+            "--tpu=grpc://1.2.3.4:8470",
+            r"only used with --distribution_strategy=tpu",
+        ),
+        (
+            "zero_group_size",
+            "--sync_group_size=0",
+            r"--sync_group_size=0: 0 is not a positive integer",
+        ),
+        (
+            "group_size_without_sync",
+            "--sync_group_size=2",
+            r"--sync_group_size groups.*needs --sync_batch_norm",
+        ),
     )
     def test_rejects(self, argument, pattern):
         with flagsaver.flagsaver():

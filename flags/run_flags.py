@@ -6,14 +6,16 @@ MODEL_DIR = flags.DEFINE_string(
     "model_dir",
     "runs/default",
     "Directory for checkpoints, TensorBoard event files and results. A run "
-    "restarted with the same --model_dir resumes from its last checkpoint.",
+    "restarted with the same --model_dir resumes from its last checkpoint; "
+    "a directory written by another trainer is refused.",
 )
 DATA_DIR = flags.DEFINE_string(
     "data_dir",
     None,
-    "TensorFlow Datasets data directory. Default: TFDS's own default "
-    "(the TFDS_DATA_DIR environment variable, else ~/tensorflow_datasets). "
-    "Offline, real MNIST is at ../shared/data/tensorflow_datasets.",
+    "TensorFlow Datasets data directory holding the prepared data set "
+    "(DIR/<dataset>/<version>/). Default: TFDS's own (the TFDS_DATA_DIR "
+    "environment variable, else ~/tensorflow_datasets), where a data set TFDS "
+    "can download (MNIST) is downloaded on first use.",
 )
 SEED = flags.DEFINE_integer(
     "seed", 0, "Seed for weight initialisation and data order.", lower_bound=0

@@ -1,9 +1,28 @@
 """Helpers for tests that call absl `main` functions under pytest."""
 
+import contextlib
+
 from absl import flags
+from absl.testing import flagsaver
+
+from flags import training_flags as training_flags
 
 
 def ensure_parsed():
     """Parses absl flags with defaults when the runner (pytest) did not."""
     if not flags.FLAGS.is_parsed():
         flags.FLAGS(["pytest"], known_only=True)
+
+
+@contextlib.contextmanager
+def trainer_flags(trainer, **values):
+    """`flagsaver.flagsaver(**values)` with `trainer`'s defaults of the shared training flags.
+
+    Each trainer sets those defaults when imported, so in a process that
+    imported several trainers the last import's hold until this re-applies
+    `trainer.TRAINING_DEFAULTS`; all flags are restored on exit.
+    """
+    with flagsaver.flagsaver():
+        training_flags.set_defaults(**trainer.TRAINING_DEFAULTS)
+        with flagsaver.flagsaver(**values):
+            yield

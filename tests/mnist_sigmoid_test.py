@@ -8,7 +8,6 @@ import tempfile
 
 from absl import flags
 from absl.testing import absltest
-from absl.testing import flagsaver
 from absl.testing import parameterized
 import numpy as np
 import pytest
@@ -22,7 +21,11 @@ from trainers import mnist_model
 from trainers import mnist_sigmoid
 
 SHARED_DATA = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "tensorflow_datasets"
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "..",
+    "shared",
+    "data",
+    "tensorflow_datasets",
 )
 
 
@@ -31,9 +34,14 @@ def setUpModule():
 
 
 def _run(model_dir, **overrides):
-    settings = dict(model_dir=model_dir, train_steps=8, eval_every=4, batch_size=20, probe_size=30, seed=1)
+    settings = dict(
+        model_dir=model_dir, train_steps=8, eval_every=4, batch_size=20, probe_size=30, seed=1
+    )
     settings.update(overrides)
-    with tfds.testing.mock_data(num_examples=100), flagsaver.flagsaver(**settings):
+    with (
+        tfds.testing.mock_data(num_examples=100),
+        flag_state.trainer_flags(mnist_sigmoid, **settings),
+    ):
         mnist_sigmoid.main(["mnist_sigmoid"])
     with open(os.path.join(model_dir, "summary.json")) as f:
         return json.load(f)
@@ -53,11 +61,14 @@ def _text(run_dir, tag):
 
 def _weights(run_dir):
     reader = tf.train.load_checkpoint(os.path.join(run_dir, "checkpoints"))
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map() if "model" in name}
+    return {
+        name: reader.get_tensor(name)
+        for name in reader.get_variable_to_shape_map()
+        if "model" in name
+    }
 
 
 class MnistSigmoidTest(parameterized.TestCase):
-
     def test_smoke_run_writes_metrics_events_figure_and_summary(self):
         model_dir = tempfile.mkdtemp()
         summary = _run(model_dir)
@@ -67,11 +78,20 @@ class MnistSigmoidTest(parameterized.TestCase):
             self.assertTrue(0.0 <= run["final_test_accuracy"] <= 1.0)
             self.assertGreaterEqual(run["best_test_accuracy"], run["final_test_accuracy"])
             tags = tensorboard_events.read_events(os.path.join(model_dir, name))
-            for tag in ("train/loss", "train/learning_rate", "eval/test_accuracy",
-                        f"sigmoid_input/{name}/p15", f"sigmoid_input/{name}/p50", f"sigmoid_input/{name}/p85"):
+            for tag in (
+                "train/loss",
+                "train/learning_rate",
+                "eval/test_accuracy",
+                f"sigmoid_input/{name}/p15",
+                f"sigmoid_input/{name}/p50",
+                f"sigmoid_input/{name}/p85",
+            ):
                 self.assertEqual([s for s, _ in tags[tag]], [4, 8], tag)
                 self.assertTrue(all(np.isfinite(v) for _, v in tags[tag]), tag)
-            p15, p85 = tags[f"sigmoid_input/{name}/p15"][-1][1], tags[f"sigmoid_input/{name}/p85"][-1][1]
+            p15, p85 = (
+                tags[f"sigmoid_input/{name}/p15"][-1][1],
+                tags[f"sigmoid_input/{name}/p85"][-1][1],
+            )
             self.assertLessEqual(p15, p85)
             plugins = tensorboard_events.read_plugins(os.path.join(model_dir, name))
             for layer in (1, 2, 3):
@@ -82,11 +102,17 @@ class MnistSigmoidTest(parameterized.TestCase):
             self.assertEqual(plugins["_hparams_/session_start_info"], "hparams")
             for metric in ("final_test_accuracy", "best_test_accuracy", "first_step_97"):
                 self.assertEqual([s for s, _ in tags[f"hparams/{metric}"]], [8], metric)
-            self.assertAlmostEqual(tags["hparams/final_test_accuracy"][0][1], summary["runs"][name]["final_test_accuracy"], places=6)
+            self.assertAlmostEqual(
+                tags["hparams/final_test_accuracy"][0][1],
+                summary["runs"][name]["final_test_accuracy"],
+                places=6,
+            )
             monitor_tags = [t for t in tags if t.startswith("bn_")]
             if name == "batch_norm":
                 for layer in (1, 2, 3):
-                    self.assertEqual([s for s, _ in tags[f"bn_{layer}/train_inference_gap"]], [4, 8])
+                    self.assertEqual(
+                        [s for s, _ in tags[f"bn_{layer}/train_inference_gap"]], [4, 8]
+                    )
                     self.assertEqual(plugins[f"bn_{layer}/moving_mean"], "histograms")
             else:
                 self.assertEqual(monitor_tags, [])
@@ -101,7 +127,12 @@ class MnistSigmoidTest(parameterized.TestCase):
         self.assertEqual(summary["config"]["learning_rate"], 0.5)
         self.assertEqual(summary["config"]["sync_batch_norm"], False)
         # Every flag of the trainer and the shared modules is recorded.
-        modules = ("trainers.mnist_sigmoid", "flags.run_flags", "flags.training_flags", "flags.distribution_flags")
+        modules = (
+            "trainers.mnist_sigmoid",
+            "flags.run_flags",
+            "flags.training_flags",
+            "flags.distribution_flags",
+        )
         by_module = flags.FLAGS.flags_by_module_dict()
         names = {flag.name for module in modules for flag in by_module.get(module, [])}
         self.assertGreater(len(names), 15)
@@ -128,8 +159,12 @@ class MnistSigmoidTest(parameterized.TestCase):
         other_seed, _ = mnist_model.build_model("batch_norm", 0.1, 6)
         for name in ("dense_1", "dense_2", "dense_3", "logits"):
             kernel = baseline.get_layer(name).kernel.numpy()
-            np.testing.assert_array_equal(kernel, batch_norm.get_layer(name).kernel.numpy(), err_msg=name)
-            self.assertFalse(np.array_equal(kernel, other_seed.get_layer(name).kernel.numpy()), name)
+            np.testing.assert_array_equal(
+                kernel, batch_norm.get_layer(name).kernel.numpy(), err_msg=name
+            )
+            self.assertFalse(
+                np.array_equal(kernel, other_seed.get_layer(name).kernel.numpy()), name
+            )
 
     def test_resume_continues_without_repeating_or_skipping(self):
         straight = tempfile.mkdtemp()
@@ -146,7 +181,10 @@ class MnistSigmoidTest(parameterized.TestCase):
         for a, b in zip(resumed, expected):
             self.assertAlmostEqual(a["train_loss"], b["train_loss"], places=5)
             self.assertAlmostEqual(a["test_accuracy"], b["test_accuracy"], places=5)
-        a, b = _weights(os.path.join(interrupted, "batch_norm")), _weights(os.path.join(straight, "batch_norm"))
+        a, b = (
+            _weights(os.path.join(interrupted, "batch_norm")),
+            _weights(os.path.join(straight, "batch_norm")),
+        )
         self.assertEqual(sorted(a), sorted(b))
         for name in a:
             np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -155,13 +193,16 @@ class MnistSigmoidTest(parameterized.TestCase):
         model_dir = tempfile.mkdtemp()
         first = _run(model_dir, norm="none")
         second = _run(model_dir, norm="none")
-        self.assertEqual(first["runs"], {k: {**v, "wall_time_s": v["wall_time_s"]} for k, v in second["runs"].items()})
+        self.assertEqual(
+            first["runs"],
+            {k: {**v, "wall_time_s": v["wall_time_s"]} for k, v in second["runs"].items()},
+        )
 
     def test_data_order_is_a_function_of_seed_and_step(self):
         full = mnist_data.example_order(100, 20, seed=3, num_steps=12)
         self.assertLen(full, 240)
         for epoch in range(2):
-            self.assertCountEqual(full[epoch * 100:(epoch + 1) * 100], range(100))
+            self.assertCountEqual(full[epoch * 100 : (epoch + 1) * 100], range(100))
         images = np.arange(100, dtype=np.float32)[:, None]
         labels = np.arange(100, dtype=np.int32)
         resumed = list(mnist_data.make_dataset(images, labels, 20, 3, start_step=7, num_steps=12))
@@ -169,7 +210,10 @@ class MnistSigmoidTest(parameterized.TestCase):
         np.testing.assert_array_equal(resumed[0][1], full[140:160])
 
     def test_missing_data_names_the_flag(self):
-        with self.assertRaisesRegex(FileNotFoundError, r"--data_dir='.*'.*shared/data/tensorflow_datasets"):
+        with self.assertRaisesRegex(
+            FileNotFoundError,
+            r"--data_dir='.*'.*omit --data_dir and TFDS downloads it.*or pass --data_dir=DIR",
+        ):
             mnist_data.load_mnist(tempfile.mkdtemp(), "test")
 
     def test_reads_real_mnist(self):
@@ -185,12 +229,21 @@ class MnistSigmoidTest(parameterized.TestCase):
 def _train_loss_at_500(model_dir, *extra):
     """Runs the BN network for 500 steps on real MNIST in its own process."""
     args = [
-        "--norm=batch_norm", "--train_steps=500", "--eval_every=500", "--probe_size=100",
-        f"--data_dir={SHARED_DATA}", f"--model_dir={model_dir}", *extra,
+        "--norm=batch_norm",
+        "--train_steps=500",
+        "--eval_every=500",
+        "--probe_size=100",
+        f"--data_dir={SHARED_DATA}",
+        f"--model_dir={model_dir}",
+        *extra,
     ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
-        [sys.executable, "-m", "trainers.mnist_sigmoid", *args], cwd=root, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "trainers.mnist_sigmoid", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(os.path.join(model_dir, "batch_norm", "history.json")) as f:

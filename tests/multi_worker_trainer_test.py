@@ -27,9 +27,16 @@ _TIMEOUT_S = 300
 
 def _launch(model_dir, train_steps):
     args = [
-        "--use_fake_data", "--image_size=32", "--eval_every=1", "--eval_steps=1", "--batch_size=4",
-        "--variant=bn_x5", "--distribution_strategy=multi_worker_mirrored", "--sync_batch_norm",
-        f"--train_steps={train_steps}", f"--model_dir={model_dir}",
+        "--use_fake_data",
+        "--image_size=32",
+        "--eval_every=1",
+        "--eval_steps=1",
+        "--batch_size=4",
+        "--variant=bn_x5",
+        "--distribution_strategy=multi_worker_mirrored",
+        "--sync_batch_norm",
+        f"--train_steps={train_steps}",
+        f"--model_dir={model_dir}",
     ]
     return multi_worker.run_workers("trainers.inception_bn", [args, args], timeout_s=_TIMEOUT_S)
 
@@ -40,21 +47,26 @@ def _event_files(model_dir):
 
 @pytest.mark.slow
 class MultiWorkerTrainerTest(absltest.TestCase):
-
     def test_chief_alone_writes_and_relaunch_resumes(self):
         model_dir = tempfile.mkdtemp()
         for code, output in _launch(model_dir, train_steps=2):
             self.assertEqual(code, 0, output[-3000:])
         self.assertLen(_event_files(model_dir), 1)
-        self.assertCountEqual(os.listdir(model_dir), ["checkpoints", "history.json", "summary.json"] + [
-            os.path.basename(f) for f in _event_files(model_dir)
-        ])
+        self.assertCountEqual(
+            os.listdir(model_dir),
+            ["checkpoints", "history.json", "summary.json", "trainer.json"]
+            + [os.path.basename(f) for f in _event_files(model_dir)],
+        )
         latest = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
         self.assertTrue(latest.endswith("-2"), latest)
         # The chief's checkpoint restores into a fresh model.
-        model = inception_bn.build_model(inception_recipes.RECIPES["bn_x5"], image_size=32, sync_batch_norm=True)
+        model = inception_bn.build_model(
+            inception_recipes.RECIPES["bn_x5"], image_size=32, sync_batch_norm=True
+        )
         step = tf.Variable(0, dtype=tf.int64)
-        tf.train.Checkpoint(step=step, model=model).restore(latest).expect_partial().assert_existing_objects_matched()
+        tf.train.Checkpoint(step=step, model=model).restore(
+            latest
+        ).expect_partial().assert_existing_objects_matched()
         self.assertEqual(int(step.numpy()), 2)
         self.assertFalse(all(np.all(np.asarray(v) == 0) for v in model.non_trainable_variables))
 

@@ -36,7 +36,9 @@ def split_device(device_type, num_devices, memory_limit_mb=_GPU_MEMORY_LIMIT_MB)
         raise ValueError(f"Expected a positive int. Received: num_devices={num_devices!r}")
     physical = tf.config.list_physical_devices(device_type)
     if not physical:
-        raise ValueError(f"This machine has no {device_type}. Received: device_type={device_type!r}")
+        raise ValueError(
+            f"This machine has no {device_type}. Received: device_type={device_type!r}"
+        )
     limit = memory_limit_mb if device_type == "GPU" else None
     try:
         tf.config.set_logical_device_configuration(

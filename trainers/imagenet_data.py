@@ -9,7 +9,15 @@ ILSVRC2012_img_val.tar in <data_dir>/downloads/manual/ and run
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from trainers import preflight
+
 NUM_CLASSES = 1000
+SPLITS = ("train", "validation")
+HOW_TO_GET = (
+    "TFDS cannot download ImageNet: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
+    "in DIR/downloads/manual/, run `tfds build imagenet2012 --data_dir=DIR` and pass "
+    "--data_dir=DIR; or pass --use_fake_data for a smoke run."
+)
 _MEAN_RGB = (0.485, 0.456, 0.406)
 _STDDEV_RGB = (0.229, 0.224, 0.225)
 
@@ -50,26 +58,41 @@ def preprocess_eval(image, image_size):
     return _standardize(image)
 
 
-def make_dataset(*, split, data_dir, batch_size, image_size, distortion, thorough_shuffle, seed, use_fake_data):
+def check_prepared(data_dir):
+    """Checks, without TensorFlow work, that both ImageNet splits are prepared under `data_dir`.
+
+    Raises:
+        preflight.MissingDataError: naming where it looked and how to prepare ImageNet.
+    """
+    preflight.check_tfds_data(data_dir, "imagenet2012", SPLITS, HOW_TO_GET)
+
+
+def make_dataset(
+    *, split, data_dir, batch_size, image_size, distortion, thorough_shuffle, seed, use_fake_data
+):
     """Batched (images, labels) for `split` ("train" repeats forever).
 
     Raises:
-        FileNotFoundError: when imagenet2012 is not prepared under `data_dir`
-            (the message names --data_dir and --use_fake_data).
+        preflight.MissingDataError (a FileNotFoundError): when imagenet2012 is
+            not prepared under `data_dir` (the message names --data_dir and
+            --use_fake_data).
     """
     training = split == "train"
     if use_fake_data:
         return make_fake_dataset(batch_size, image_size, seed, repeat=training)
     try:
         dataset = tfds.load(
-            "imagenet2012", split=split, data_dir=data_dir, download=False,
-            shuffle_files=training and thorough_shuffle, as_supervised=True,
+            "imagenet2012",
+            split=split,
+            data_dir=data_dir,
+            download=False,
+            shuffle_files=training and thorough_shuffle,
+            as_supervised=True,
         )
     except (AssertionError, FileNotFoundError, tfds.core.registered.DatasetNotFoundError) as error:
-        raise FileNotFoundError(
+        raise preflight.MissingDataError(
             f"ImageNet (TFDS 'imagenet2012') was not found under --data_dir={data_dir!r}. "
-            "Prepare it from the manual download (see trainers/imagenet_data.py), or "
-            f"pass --use_fake_data for a smoke run. TFDS said: {error}"
+            f"{HOW_TO_GET} TFDS said: {error}"
         ) from error
     if training:
         # "Within-shard shuffling": shuffled file order and a 10× buffer.
@@ -87,9 +110,11 @@ def make_dataset(*, split, data_dir, batch_size, image_size, distortion, thoroug
 
 def make_fake_dataset(batch_size, image_size, seed, repeat, num_batches=4):
     """Random images and labels of the real shapes (smoke runs, benchmarks)."""
-    images = tf.random.stateless_normal((num_batches * batch_size, image_size, image_size, 3), seed=(seed, 0))
+    shape = (num_batches * batch_size, image_size, image_size, 3)
+    images = tf.random.stateless_normal(shape, seed=(seed, 0))
     labels = tf.random.stateless_uniform(
         (num_batches * batch_size,), seed=(seed, 1), maxval=NUM_CLASSES, dtype=tf.int32
     )
-    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch_size, drop_remainder=True)
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels))
+    dataset = dataset.batch(batch_size, drop_remainder=True)
     return dataset.repeat() if repeat else dataset

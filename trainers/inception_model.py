@@ -42,7 +42,15 @@ MODULES = (
 class _Builder:
     """Adds conv → (BN) → nonlinearity units with the variant's choices."""
 
-    def __init__(self, batch_norm, activation, weight_decay, sync_batch_norm, sync_group_size, batch_norm_layer):
+    def __init__(
+        self,
+        batch_norm,
+        activation,
+        weight_decay,
+        sync_batch_norm,
+        sync_group_size,
+        batch_norm_layer,
+    ):
         self.batch_norm = batch_norm
         self.batch_norm_layer = batch_norm_layer or keras_bn.BatchNormalization
         self.activation = activation
@@ -52,19 +60,20 @@ class _Builder:
             self.batch_norm_options["sync_group_size"] = sync_group_size
 
     def conv(self, x, filters, kernel, strides=1, name=None, separable=False):
-        common = dict(
-            strides=strides, padding="same", use_bias=not self.batch_norm, name=name
-        )
+        common = dict(strides=strides, padding="same", use_bias=not self.batch_norm, name=name)
         if separable:
             x = keras.layers.SeparableConv2D(
-                filters, kernel, depth_multiplier=8,
+                filters,
+                kernel,
+                depth_multiplier=8,
                 depthwise_regularizer=self.regularizer,
-                pointwise_regularizer=self.regularizer, **common,
+                pointwise_regularizer=self.regularizer,
+                **common,
             )(x)
         else:
-            x = keras.layers.Conv2D(
-                filters, kernel, kernel_regularizer=self.regularizer, **common
-            )(x)
+            x = keras.layers.Conv2D(filters, kernel, kernel_regularizer=self.regularizer, **common)(
+                x
+            )
         if self.batch_norm:
             # BN before the nonlinearity, replacing the conv's bias (paper §3.2).
             x = self.batch_norm_layer(name=f"{name}_bn", **self.batch_norm_options)(x)
@@ -93,7 +102,9 @@ def _lrn(name):
     import tensorflow as tf  # LRN has no keras.ops equivalent.
 
     return keras.layers.Lambda(
-        lambda t: tf.nn.local_response_normalization(t, depth_radius=2, bias=1.0, alpha=2e-5, beta=0.75),
+        lambda t: tf.nn.local_response_normalization(
+            t, depth_radius=2, bias=1.0, alpha=2e-5, beta=0.75
+        ),
         name=name,
     )
 
@@ -109,9 +120,17 @@ def bn_stage(layer_name):
 
 
 def build_inception(
-    *, image_size=224, num_classes=1000, batch_norm=True, activation="relu",
-    lrn=False, dropout=0.0, weight_decay=0.0, sync_batch_norm=False,
-    sync_group_size=None, batch_norm_layer=None,
+    *,
+    image_size=224,
+    num_classes=1000,
+    batch_norm=True,
+    activation="relu",
+    lrn=False,
+    dropout=0.0,
+    weight_decay=0.0,
+    sync_batch_norm=False,
+    sync_group_size=None,
+    batch_norm_layer=None,
 ):
     """Returns the BN-Inception (or, with batch_norm=False, Inception) model.
 
@@ -133,7 +152,9 @@ def build_inception(
         A `keras.Model` from standardised float images `(image_size,
         image_size, 3)` to `num_classes` float32 logits.
     """
-    b = _Builder(batch_norm, activation, weight_decay, sync_batch_norm, sync_group_size, batch_norm_layer)
+    b = _Builder(
+        batch_norm, activation, weight_decay, sync_batch_norm, sync_group_size, batch_norm_layer
+    )
     inputs = keras.Input((image_size, image_size, 3), name="image")
     x = b.conv(inputs, 64, 7, strides=2, name="conv1_7x7", separable=True)
     x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)

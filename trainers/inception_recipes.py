@@ -35,9 +35,15 @@ class Recipe:
 
 
 _INCEPTION = Recipe(
-    batch_norm=False, activation="relu", learning_rate=BASE_LEARNING_RATE,
-    dropout=0.4, weight_decay=BASE_WEIGHT_DECAY, decay_steps=BASE_DECAY_STEPS,
-    lrn=True, distortion=1.0, thorough_shuffle=False,
+    batch_norm=False,
+    activation="relu",
+    learning_rate=BASE_LEARNING_RATE,
+    dropout=0.4,
+    weight_decay=BASE_WEIGHT_DECAY,
+    decay_steps=BASE_DECAY_STEPS,
+    lrn=True,
+    distortion=1.0,
+    thorough_shuffle=False,
 )
 _BN_BASELINE = dataclasses.replace(_INCEPTION, batch_norm=True)
 

@@ -1,28 +1,44 @@
-"""MNIST from TFDS, held in memory, in a resumable deterministic order."""
+"""MNIST from TensorFlow Datasets, held in memory, in a resumable deterministic order."""
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from trainers import preflight
+
+HOW_TO_GET = (
+    "To get MNIST, omit --data_dir and TFDS downloads it into its default directory (needs "
+    "network), or pass --data_dir=DIR of a prepared TFDS copy (DIR/mnist/3.0.1/)."
+)
+
+
+def check_prepared(data_dir):
+    """Checks, without TensorFlow work, that both MNIST splits are prepared under `data_dir`.
+
+    Raises:
+        preflight.MissingDataError: naming where it looked and how to get MNIST.
+    """
+    preflight.check_tfds_data(data_dir, "mnist", ("train", "test"), HOW_TO_GET)
+
 
 def load_mnist(data_dir, split):
     """Returns `(images, labels)` of an MNIST split as NumPy arrays.
 
-    Images are float32 in [0, 1], flattened to 784; labels int32. The data is
-    read from `data_dir` with no download attempt.
+    Images are float32 in [0, 1], flattened to 784; labels int32. Read from
+    `data_dir` with no download attempt; with `data_dir=None` from TFDS's
+    default directory, downloading MNIST there first if it is missing.
 
     Raises:
-        FileNotFoundError: when the prepared data set is not under `data_dir`
-            (the message names the --data_dir flag).
+        preflight.MissingDataError (a FileNotFoundError): when the prepared
+            data set is not under `data_dir` (the message names the
+            --data_dir flag and how to get MNIST).
     """
     try:
-        dataset = tfds.load("mnist", split=split, data_dir=data_dir, download=False)
-    except (AssertionError, FileNotFoundError, tfds.core.registered.DatasetNotFoundError) as error:
-        raise FileNotFoundError(
+        dataset = tfds.load("mnist", split=split, data_dir=data_dir, download=data_dir is None)
+    except (AssertionError, OSError, tfds.core.registered.DatasetNotFoundError) as error:
+        raise preflight.MissingDataError(
             f"MNIST (TFDS 'mnist', split {split!r}) was not found under "
-            f"--data_dir={data_dir!r} (None means TFDS's default). Pass "
-            "--data_dir=DIR where DIR/mnist/3.0.1 holds the prepared data; "
-            "offline, use --data_dir=../shared/data/tensorflow_datasets. "
+            f"--data_dir={data_dir!r} (None means TFDS's default). {HOW_TO_GET} "
             f"TFDS said: {error}"
         ) from error
     # Batches of 10k rather than batch_size=-1, which aborts the process
@@ -50,9 +66,9 @@ def example_order(num_examples, batch_size, seed, num_steps):
     rng = np.random.RandomState(seed)
     epochs = -(-num_steps // steps_per_epoch)
     per_epoch = steps_per_epoch * batch_size
-    return np.concatenate(
-        [rng.permutation(num_examples)[:per_epoch] for _ in range(epochs)]
-    )[: num_steps * batch_size]
+    return np.concatenate([rng.permutation(num_examples)[:per_epoch] for _ in range(epochs)])[
+        : num_steps * batch_size
+    ]
 
 
 def make_dataset(images, labels, batch_size, seed, start_step, num_steps):

@@ -12,8 +12,14 @@ RUN_NAMES = {"none": "baseline", "batch_norm": "batch_norm"}
 HIDDEN_UNITS = (100, 100, 100)
 
 
-def build_model(norm, init_std, seed, sync_batch_norm=False, sync_group_size=None,
-                batch_norm_layer=keras_bn.BatchNormalization):
+def build_model(
+    norm,
+    init_std,
+    seed,
+    sync_batch_norm=False,
+    sync_group_size=None,
+    batch_norm_layer=keras_bn.BatchNormalization,
+):
     """Returns `(model, probe)`: the classifier and its pre-activation outputs.
 
     The baseline computes y = sigmoid(Wu + b); the BN network
@@ -38,7 +44,8 @@ def build_model(norm, init_std, seed, sync_batch_norm=False, sync_group_size=Non
     elif sync_batch_norm or sync_group_size is not None:
         raise ValueError(
             "Only keras_bn layers take the sync arguments here. "
-            f"Received: batch_norm_layer={batch_norm_layer.__name__}, sync_batch_norm={sync_batch_norm}"
+            f"Received: batch_norm_layer={batch_norm_layer.__name__}, "
+            f"sync_batch_norm={sync_batch_norm}"
         )
     else:
         bn_kwargs = {}

@@ -67,7 +67,9 @@ def write_dashboards(writer, networks):
     ]
     layout = layout_pb2.Layout(category=[layout_pb2.Category(title="Figure 1", chart=charts)])
     with writer.as_default():
-        tf.summary.experimental.write_raw_pb(custom_scalar_summary.pb(layout).SerializeToString(), step=0)
+        tf.summary.experimental.write_raw_pb(
+            custom_scalar_summary.pb(layout).SerializeToString(), step=0
+        )
         hp.hparams_config(
             hparams=list(HPARAMS.values()),
             metrics=[hp.Metric(f"hparams/{name}", description=d) for name, d in METRICS.items()],
@@ -78,8 +80,11 @@ def write_dashboards(writer, networks):
 def write_run_hparams(writer, network, config, seed, trial_id):
     """The run's hyperparameters (HParams' session start), once per fresh run."""
     values = {
-        "network": network, "learning_rate": config.learning_rate, "init_std": config.init_std,
-        "seed": seed, "batch_size": config.batch_size,
+        "network": network,
+        "learning_rate": config.learning_rate,
+        "init_std": config.init_std,
+        "seed": seed,
+        "batch_size": config.batch_size,
     }
     with writer.as_default():
         hp.hparams({HPARAMS[k]: v for k, v in values.items()}, trial_id=trial_id)
@@ -105,7 +110,9 @@ def write_run_metrics(writer, history):
     with writer.as_default(step=history["steps"]):
         for name, description in METRICS.items():
             value = metrics[name]
-            tf.summary.scalar(f"hparams/{name}", -1 if value is None else value, description=description)
+            tf.summary.scalar(
+                f"hparams/{name}", -1 if value is None else value, description=description
+            )
     writer.flush()
 
 
@@ -179,7 +186,10 @@ def plot_figure(runs, path):
 def write_figure(writer, png, step):
     with writer.as_default(step=step):
         tf.summary.image(
-            "figure1", tf.io.decode_png(png)[None],
-            description="Paper Figure 1: test accuracy and sigmoid-input percentiles of both networks.",
+            "figure1",
+            tf.io.decode_png(png)[None],
+            description=(
+                "Paper Figure 1: test accuracy and sigmoid-input percentiles of both networks."
+            ),
         )
     writer.flush()

@@ -16,17 +16,17 @@ HParams experiment and, at the end, the Figure 1 image; figure1.png (mean
 and min–max band over seeds) and summary.json are written there too
 (trainers/mnist_report.py).
 
-Run (both networks, same seed and data order, on the real MNIST copy here):
+Run (both networks, same seed and data order; without --data_dir TFDS
+downloads MNIST):
 
-    python -m trainers.mnist_sigmoid --data_dir=../shared/data/tensorflow_datasets \
+    python -m trainers.mnist_sigmoid --data_dir=/path/to/tensorflow_datasets \
         --model_dir=runs/mnist
 
-Expected result (measured here, see README): the BN network reaches a higher
-test accuracy sooner and ends higher than the baseline (98.08% vs 97.78%
-after 50,000 steps; 90.45% vs 82.75% after 500), and its sigmoid-input
-percentiles stay stable while the baseline's drift, as in the paper's
-Figure 1. Both runs together took 3.5 minutes on this project's 2-core
-machine (1.5 minutes on the machine of the first measurement).
+Expected result: the BN network reaches a higher test accuracy sooner and
+ends higher than the baseline (98.08% vs 97.78% after 50,000 steps; 90.45%
+vs 82.75% after 500; measured 2026, 2-core AMD EPYC CPU, TensorFlow 2.21.0,
+Keras 3.15.1; see docs/reproduction.md), and its sigmoid-input percentiles
+stay stable while the baseline's drift, as in the paper's Figure 1.
 """
 
 import dataclasses
@@ -41,19 +41,22 @@ import numpy as np
 import tensorflow as tf
 
 import keras_bn
-from keras_bn import distribution
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
-from trainers import loops
 from trainers import mnist_data
 from trainers import mnist_model
 from trainers import mnist_report
-from trainers import strategy as strategy_lib
+from trainers import preflight
+from trainers import skeleton
 from trainers import summaries
+from trainers import strategy as strategy_lib
+from trainers import tf_runner
 
 NORM = flags.DEFINE_enum(
-    "norm", "both", ["none", "batch_norm", "both"],
+    "norm",
+    "both",
+    ["none", "batch_norm", "both"],
     "none: the sigmoid baseline; batch_norm: BN before every sigmoid; both: "
     "run the two in turn with the same seed and data order.",
 )
@@ -61,23 +64,30 @@ INIT_STD = flags.DEFINE_float(
     "init_std", 0.1, "Std of the Gaussian weight initialisation.", lower_bound=0.0
 )
 PROBE_SIZE = flags.DEFINE_integer(
-    "probe_size", 1000,
+    "probe_size",
+    1000,
     "Test images in the fixed probe batch for the percentiles and histograms.",
     lower_bound=2,
 )
 NUM_SEEDS = flags.DEFINE_integer(
-    "num_seeds", 1,
+    "num_seeds",
+    1,
     "Train each network for seeds --seed … --seed+N−1 (each seed's data order and initial "
     "kernels shared by both networks), each seed a run of its own; the figure and "
     "summary.json give the mean and spread over seeds.",
     lower_bound=1,
 )
 TRAIN_SUBSET = flags.DEFINE_integer(
-    "train_subset", None,
-    "Use only the first N training examples (smoke runs).", lower_bound=1,
+    "train_subset",
+    None,
+    "Use only the first N training examples (smoke runs). Default: all 60,000.",
+    lower_bound=1,
 )
+# This trainer's defaults of the shared training flags: the paper's §4.1 setup.
+TRAINING_DEFAULTS = dict(train_steps=50_000, batch_size=60, learning_rate=0.5, eval_every=500)
+training_flags.set_defaults(**TRAINING_DEFAULTS)
 
-DEFAULTS = {"train_steps": 50_000, "batch_size": 60, "learning_rate": 0.5, "eval_every": 500}
+TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/preflight.py).
 RUN_NAMES = mnist_model.RUN_NAMES
 PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, c follows.
 PERCENTILES = mnist_report.PERCENTILES
@@ -85,7 +95,7 @@ PERCENTILES = mnist_report.PERCENTILES
 
 @dataclasses.dataclass(frozen=True)
 class Config(strategy_lib.DistributionConfig):
-    """Everything one invocation runs with: every flag, trainer defaults applied.
+    """Everything one invocation runs with: every flag's value.
 
     Made once in `main` from the flags and logged whole (TensorBoard text
     "config" of each run, and `summary.json`), so no flag can go unrecorded.
@@ -115,143 +125,180 @@ class Config(strategy_lib.DistributionConfig):
 
     def run_dir(self, norm, seed):
         """`model_dir/<network>`, or `model_dir/<network>/seed_<seed>` with several seeds."""
-        parts = [self.model_dir, RUN_NAMES[norm]] + ([f"seed_{seed}"] if self.num_seeds > 1 else [])
-        return os.path.join(*parts)
+        seed_dir = [f"seed_{seed}"] if self.num_seeds > 1 else []
+        return os.path.join(self.model_dir, RUN_NAMES[norm], *seed_dir)
+
+    def loop(self, norm, seed):
+        """The `skeleton.LoopConfig` of the run of network `norm` with `seed`."""
+        return skeleton.LoopConfig(
+            name=f"{RUN_NAMES[norm]} seed {seed}",
+            run_dir=self.run_dir(norm, seed),
+            seed=seed,
+            train_steps=self.train_steps,
+            eval_every=self.eval_every,
+            batch_size=self.batch_size,
+            steps_per_execution=None,
+            max_to_keep=2,
+            sync_group_size=self.sync_group_size,
+        )
 
 
 def config_from_flags():
     """The `Config` of the parsed flags (called by `main` only)."""
     holders = [
-        run_flags.MODEL_DIR, run_flags.DATA_DIR, run_flags.SEED, training_flags.TRAIN_STEPS,
-        training_flags.BATCH_SIZE, training_flags.LEARNING_RATE, training_flags.EVAL_EVERY,
-        NORM, INIT_STD, PROBE_SIZE, NUM_SEEDS, TRAIN_SUBSET, *distribution_flags.HOLDERS,
+        run_flags.MODEL_DIR,
+        run_flags.DATA_DIR,
+        run_flags.SEED,
+        training_flags.TRAIN_STEPS,
+        training_flags.BATCH_SIZE,
+        training_flags.LEARNING_RATE,
+        training_flags.EVAL_EVERY,
+        NORM,
+        INIT_STD,
+        PROBE_SIZE,
+        NUM_SEEDS,
+        TRAIN_SUBSET,
+        *distribution_flags.HOLDERS,
     ]
-    return Config(**summaries.with_defaults(summaries.flag_values(holders), DEFAULTS))
+    return Config(**summaries.flag_values(holders))
 
 
-def train_and_evaluate(config, strategy, norm, seed, train, test):
-    """Trains one network (`norm`: "none" or "batch_norm") with `seed` under `strategy`.
+class MnistRun(skeleton.Task):
+    """One network (`norm`: "none" or "batch_norm") trained with one seed.
 
-    Logs and checkpoints every `config.eval_every` steps into
-    `config.run_dir(norm, seed)` and resumes from the last checkpoint there.
-    The BN network's layers are also watched by `keras_bn.BatchNormMonitor`
-    on the probe batch.
-    Returns the run's history: a dict with "evals" (one record per
-    evaluation), "steps" and "wall_time_s".
-
-    Raises:
-        ValueError: if the global batch does not split evenly over the
-            replicas, or the sync group size does not divide their number.
+    Evaluates on the whole test set and a fixed probe batch of it; the BN
+    network's layers are also watched by `keras_bn.BatchNormMonitor` on the
+    probe batch.
     """
-    replicas = strategy.num_replicas_in_sync
-    if config.batch_size % replicas:
-        raise ValueError(
-            f"The global batch must split evenly over {replicas} replicas. "
-            f"Received: batch_size={config.batch_size}"
+
+    def __init__(self, config, norm, seed, train, test):
+        self.config, self.norm, self.seed = config, norm, seed
+        self.network = RUN_NAMES[norm]
+        self.train, self.test = train, test
+        self.latest_probes = []  # Histogram values of the last evaluation (not in the history).
+
+    def build(self):
+        config = self.config
+        self.model, self.probe = mnist_model.build_model(
+            self.norm, config.init_std, self.seed, config.sync_batch_norm, config.sync_group_size
         )
-    distribution_flags.check_sync_group_size(config.sync_group_size, replicas)
-    keras.utils.set_random_seed(seed)
-    with strategy.scope():
-        model, probe = mnist_model.build_model(
-            norm, config.init_std, seed, config.sync_batch_norm, config.sync_group_size
+        return self.model, keras.optimizers.SGD(config.learning_rate)
+
+    def prepare_evaluation(self, model, runner):
+        del runner  # Evaluation runs on the whole test set in one call, not distributed.
+        test_images, probe_size = self.test[0], self.config.probe_size
+        self.test_images = tf.constant(test_images)
+        self.probe_images = tf.constant(test_images[:probe_size])
+        self.predict = tf.function(lambda x: model(x, training=False))
+        self.pre_activations = tf.function(lambda x: self.probe(x, training=False))
+        self.monitor = None
+        if self.norm == "batch_norm":
+            self.monitor = keras_bn.BatchNormMonitor(None, test_images[:probe_size])
+
+    def config_values(self):
+        """The invocation's config with this run's network and seed."""
+        run_config = dataclasses.replace(self.config, norm=self.norm, seed=self.seed)
+        return {**dataclasses.asdict(run_config), "network": self.network}
+
+    def write_start(self, writer):
+        trial = os.path.relpath(self.config.run_dir(self.norm, self.seed), self.config.model_dir)
+        mnist_report.write_run_hparams(writer, self.network, self.config, self.seed, trial)
+
+    def train_dataset(self, start_step):
+        images, labels = self.train
+        return mnist_data.make_dataset(
+            images, labels, self.config.batch_size, self.seed, start_step, self.config.train_steps
         )
-        optimizer = keras.optimizers.SGD(config.learning_rate)
-        optimizer.build(model.trainable_variables)
-        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    network = RUN_NAMES[norm]
-    run_dir = config.run_dir(norm, seed)
-    tf.io.gfile.makedirs(run_dir)
-    # The run's own configuration: its network and seed.
-    run_config = {**dataclasses.asdict(dataclasses.replace(config, norm=norm, seed=seed)), "network": network}
-    run = loops.RunState(
-        run_dir, step, run_config, max_to_keep=2,
-        is_chief=distribution.is_chief(strategy), model=model, optimizer=optimizer,
-    )
-    with run:
-        fresh = run.start == 0
-        if fresh:
-            mnist_report.write_run_hparams(run.writer, network, config, seed, os.path.relpath(run_dir, config.model_dir))
-        images, labels = train
-        dataset = mnist_data.make_dataset(
-            images, labels, config.batch_size, seed, run.start, config.train_steps
-        )
-        iterator = iter(strategy.experimental_distribute_dataset(dataset))
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-        multi_step = loops.make_multi_step(strategy, model, optimizer, loss_fn, config.batch_size)
-        test_images, test_labels = tf.constant(test[0]), test[1]
-        probe_images = tf.constant(test[0][: config.probe_size])
-        predict = tf.function(lambda x: model(x, training=False))
-        pre_activations = tf.function(lambda x: probe(x, training=False))
-        latest_probes = {}  # Histogram values of the last evaluation (not kept in the history).
-        monitored = norm == "batch_norm"
-        monitor = keras_bn.BatchNormMonitor(None, test[0][: config.probe_size]) if monitored else None
 
-        def evaluate(step, interval):
-            accuracy = float(np.mean(np.argmax(predict(test_images), -1) == test_labels))
-            probes = [p.numpy() for p in pre_activations(probe_images)]
-            quantiles = np.percentile(probes[-1][:, PROBE_UNIT], PERCENTILES)
-            record = {"step": step, "test_accuracy": accuracy, "train_loss": interval["train_loss"]}
-            record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
-            latest_probes["layers"] = probes
-            return record
+    def evaluate(self, step, interval):
+        logits = self.predict(self.test_images)
+        accuracy = float(np.mean(np.argmax(logits, -1) == self.test[1]))
+        self.latest_probes = [p.numpy() for p in self.pre_activations(self.probe_images)]
+        quantiles = np.percentile(self.latest_probes[-1][:, PROBE_UNIT], PERCENTILES)
+        record = {"step": step, "test_accuracy": accuracy, "train_loss": interval["train_loss"]}
+        record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
+        return record
 
-        def write_summaries(record, history):
-            del history  # MNIST logs each evaluation on its own.
-            descriptions = mnist_report.SCALAR_DESCRIPTIONS
-            tf.summary.scalar("train/loss", record["train_loss"], description=descriptions["train/loss"])
-            tf.summary.scalar("train/learning_rate", config.learning_rate, description=descriptions["train/learning_rate"])
-            tf.summary.scalar("eval/test_accuracy", record["test_accuracy"], description=descriptions["eval/test_accuracy"])
-            for q in PERCENTILES:
-                tf.summary.scalar(
-                    mnist_report.percentile_tag(network, q), record[f"p{q}"],
-                    description=mnist_report.percentile_description(q),
-                )
-            for i, values in enumerate(latest_probes["layers"], start=1):
-                tf.summary.histogram(
-                    f"pre_activation/layer_{i}", values,
-                    description=f"Inputs of the sigmoids of hidden layer {i} over the probe batch.",
-                )
-            if monitor is not None:
-                monitor.write_summaries(model, record["step"])
+    def write_summaries(self, record, history):
+        del history  # MNIST logs each evaluation on its own.
+        described = {
+            "train/loss": record["train_loss"],
+            "train/learning_rate": self.config.learning_rate,
+            "eval/test_accuracy": record["test_accuracy"],
+        }
+        for tag, value in described.items():
+            tf.summary.scalar(tag, value, description=mnist_report.SCALAR_DESCRIPTIONS[tag])
+        for q in PERCENTILES:
+            tf.summary.scalar(
+                mnist_report.percentile_tag(self.network, q),
+                record[f"p{q}"],
+                description=mnist_report.percentile_description(q),
+            )
+        for i, values in enumerate(self.latest_probes, start=1):
+            tf.summary.histogram(
+                f"pre_activation/layer_{i}",
+                values,
+                description=f"Inputs of the sigmoids of hidden layer {i} over the probe batch.",
+            )
+        if self.monitor is not None:
+            self.monitor.write_summaries(self.model, record["step"])
 
-        trains = run.start < config.train_steps
-        history = loops.train_and_log(
-            run, train_steps=config.train_steps, eval_every=config.eval_every,
-            steps_per_execution=None, run_steps=lambda n: multi_step(iterator, tf.constant(n)),
-            evaluate=evaluate, write_summaries=write_summaries, name=f"{network} seed {seed}",
-        )
-        if trains:
-            mnist_report.write_run_metrics(run.writer, history)
-        return history
+    def write_end(self, writer, history):
+        mnist_report.write_run_metrics(writer, history)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    config = config_from_flags()
-    # The strategy comes first: datasets and variables are created under it.
-    strategy = config.create_strategy()
-    chief = distribution.is_chief(strategy)
+def load_data(config):
+    """`(train, test)` MNIST arrays, the training set cut to `config.train_subset`."""
     train = mnist_data.load_mnist(config.data_dir, "train")
     test = mnist_data.load_mnist(config.data_dir, "test")
     if config.train_subset:
         train = (train[0][: config.train_subset], train[1][: config.train_subset])
+    return train, test
+
+
+def write_results(config, runs, root):
+    """Figure 1 (file and TensorBoard image at `root`) and summary.json (the chief only)."""
+    png = mnist_report.plot_figure(runs, os.path.join(config.model_dir, "figure1.png"))
+    mnist_report.write_figure(root, png, step=config.train_steps)
+    summary = {
+        "runs": mnist_report.summarize(runs, config.seeds),
+        "config": dataclasses.asdict(config),
+    }
+    summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
+    logging.info(
+        "Summary: %s",
+        {
+            name: {k: v for k, v in run.items() if k != "per_seed"}
+            for name, run in summary["runs"].items()
+        },
+    )
+
+
+def main(argv):
+    with preflight.one_line_errors("mnist_sigmoid"):
+        if len(argv) > 1:
+            raise preflight.InputError(f"Unexpected arguments: {argv[1:]}")
+        config = config_from_flags()
+        preflight.check_model_dir(config.model_dir, TRAINER)
+        if config.data_dir is not None:
+            mnist_data.check_prepared(config.data_dir)
+        # The strategy comes first: datasets and variables are created under it.
+        runner = tf_runner.DistributeRunner(config.create_strategy())
+        skeleton.check_replicas(config.loop(config.networks[0], config.seed), runner.num_replicas)
+        train, test = load_data(config)
     root = None
-    if chief:
-        tf.io.gfile.makedirs(config.model_dir)
+    if runner.is_chief:
+        preflight.claim_model_dir(config.model_dir, TRAINER)
         root = tf.summary.create_file_writer(config.model_dir)
         mnist_report.write_dashboards(root, [RUN_NAMES[n] for n in config.networks])
     runs = {RUN_NAMES[norm]: [] for norm in config.networks}
     for seed in config.seeds:  # Both networks of a seed, then the next seed.
         for norm in config.networks:
-            runs[RUN_NAMES[norm]].append(train_and_evaluate(config, strategy, norm, seed, train, test))
-    if not chief:
-        return  # Only the chief writes the run's results.
-    png = mnist_report.plot_figure(runs, os.path.join(config.model_dir, "figure1.png"))
-    mnist_report.write_figure(root, png, step=config.train_steps)
-    summary = {"runs": mnist_report.summarize(runs, config.seeds), "config": dataclasses.asdict(config)}
-    summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
-    logging.info("Summary: %s", {k: {m: v for m, v in r.items() if m != "per_seed"} for k, r in summary["runs"].items()})
+            task = MnistRun(config, norm, seed, train, test)
+            history = skeleton.train_and_evaluate(task, config.loop(norm, seed), runner)
+            runs[RUN_NAMES[norm]].append(history)
+    if runner.is_chief:  # Only the chief writes the run's results.
+        write_results(config, runs, root)
 
 
 if __name__ == "__main__":

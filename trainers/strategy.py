@@ -47,7 +47,9 @@ def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
     Raises:
         ValueError: for an unknown name or "tpu" without `tpu`.
     """
-    cpus = devices.split_device("CPU", num_cpu_devices)[:num_cpu_devices] if num_cpu_devices else None
+    cpus = (
+        devices.split_device("CPU", num_cpu_devices)[:num_cpu_devices] if num_cpu_devices else None
+    )
     if num_gpu_devices:
         devices.split_device("GPU", num_gpu_devices)
     if name == "off":
@@ -74,4 +76,3 @@ def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
         "Unknown distribution strategy. Expected one of off, one_device, "
         f"mirrored, multi_worker_mirrored, tpu. Received: name={name!r}"
     )
-

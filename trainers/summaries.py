@@ -1,7 +1,6 @@
 """TensorBoard and results-file helpers shared by the trainers."""
 
 import json
-import os
 
 import tensorflow as tf
 
@@ -33,8 +32,3 @@ def read_json(path, default):
 def flag_values(flag_holders):
     """Maps each holder's name to its value (for logging and summaries)."""
     return {holder.name: holder.value for holder in flag_holders}
-
-
-def with_defaults(values, defaults):
-    """`values` with each key of `defaults` set to its default where it is None."""
-    return {k: defaults[k] if v is None and k in defaults else v for k, v in values.items()}

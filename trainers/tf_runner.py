@@ -1,0 +1,117 @@
+"""The tf.distribute engine under the trainer skeleton: a custom training loop.
+
+`DistributeRunner` is everything `trainers.skeleton` needs from an engine:
+the replica count and chief role, building under the strategy's scope, a
+checkpointer, a compiled n-step training function over a distributed
+dataset, and sums over distributed evaluation batches. Another engine (for
+example Keras 3's `keras.distribution` under JAX) would offer the same
+methods.
+"""
+
+import os
+import shutil
+import tempfile
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from keras_bn import distribution
+from trainers import loops
+
+
+class DistributeRunner:
+    """Runs a trainer's steps under a `tf.distribute.Strategy`.
+
+    Args:
+        strategy: the strategy (created before any dataset or model).
+        jit_compile: XLA-compile each replica's forward/backward pass.
+    """
+
+    def __init__(self, strategy, jit_compile=False):
+        self.strategy = strategy
+        self.jit_compile = jit_compile
+
+    @property
+    def num_replicas(self):
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def is_chief(self):
+        """Whether this process writes (see `keras_bn.distribution.is_chief`)."""
+        return distribution.is_chief(self.strategy)
+
+    def build(self, build_fn):
+        """`build_fn() -> (model, optimizer)` under the strategy's scope, optimizer state built."""
+        with self.strategy.scope():
+            model, optimizer = build_fn()
+            optimizer.build(model.trainable_variables)
+        return model, optimizer
+
+    def checkpointer(self, run_dir, max_to_keep, model, optimizer):
+        """A `Checkpointer` of the step, `model` and `optimizer` in `run_dir/checkpoints`."""
+        with self.strategy.scope():
+            step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        return Checkpointer(run_dir, max_to_keep, self.is_chief, step, model, optimizer)
+
+    def train_function(self, dataset, model, optimizer, loss_fn, global_batch):
+        """`run_steps(n) -> mean loss` training on `dataset`, distributed over the replicas."""
+        iterator = iter(self.strategy.experimental_distribute_dataset(dataset))
+        multi_step = loops.make_multi_step(
+            self.strategy, model, optimizer, loss_fn, global_batch, self.jit_compile
+        )
+        return lambda n: multi_step(iterator, tf.constant(n))
+
+    def sum_over_batches(self, replica_fn, dataset, max_batches=None):
+        """The sum over replicas and batches of `replica_fn(x, y)`, as a NumPy array.
+
+        Runs over at most `max_batches` batches of `dataset` (all when None).
+        """
+        total = np.float64(0.0)  # Sums in float64 whatever `replica_fn` returns.
+        for i, (x, y) in enumerate(self.strategy.experimental_distribute_dataset(dataset)):
+            if max_batches is not None and i == max_batches:
+                break
+            per_replica = self.strategy.run(replica_fn, args=(x, y))
+            total += self.strategy.reduce("SUM", per_replica, axis=None).numpy()
+        return np.asarray(total)
+
+
+class Checkpointer:
+    """A run's `tf.train.Checkpoint` of its step, model and optimizer.
+
+    In a multi-worker run every worker must take part in a checkpoint save
+    (the save reads distributed variables collectively), so each non-chief
+    worker saves into its own temporary directory, outside `run_dir`,
+    deleted by `close` (TensorFlow's multi-worker recipe). Every worker
+    restores from the chief's checkpoints in `run_dir`, so a relaunch of all
+    workers resumes at the chief's step.
+    """
+
+    def __init__(self, run_dir, max_to_keep, is_chief, step, model, optimizer):
+        self._step = step
+        self._checkpoint = tf.train.Checkpoint(step=step, model=model, optimizer=optimizer)
+        self._chief_dir = os.path.join(run_dir, "checkpoints")
+        self._scratch = None if is_chief else tempfile.mkdtemp(prefix="keras_bn_worker_")
+        self._manager = tf.train.CheckpointManager(
+            self._checkpoint, self._scratch or self._chief_dir, max_to_keep=max_to_keep
+        )
+
+    def restore(self):
+        """Restores the chief's latest checkpoint, if any; returns its step (0 if none)."""
+        latest = tf.train.latest_checkpoint(self._chief_dir)
+        if not latest:
+            return 0
+        self._checkpoint.restore(latest).assert_existing_objects_matched()
+        restored = int(self._step.numpy())
+        logging.info("Resumed from %s at step %d", latest, restored)
+        return restored
+
+    def save(self, step):
+        """Checkpoints at `step` (every worker, each into its own directory)."""
+        self._step.assign(step)
+        self._manager.save(checkpoint_number=step)
+
+    def close(self):
+        """Removes a non-chief worker's scratch checkpoints."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
