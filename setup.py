@@ -12,7 +12,9 @@ class BuildPyWithoutTests(build_py):
 
     def find_package_modules(self, package, package_dir):
         modules = super().find_package_modules(package, package_dir)
-        return [(pkg, module, path) for pkg, module, path in modules if not module.endswith("_test")]
+        return [
+            (pkg, module, path) for pkg, module, path in modules if not module.endswith("_test")
+        ]
 
 
 setup(cmdclass={"build_py": BuildPyWithoutTests})

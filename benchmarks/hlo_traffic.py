@@ -64,15 +64,21 @@ def hlo_lines():
     rng = np.random.RandomState(0)
     arrays = [rng.randn(BATCH, CHANNELS).astype(np.float32) for _ in range(2)]
     x, upstream = (
-        keras.distribution.distribute_tensor(a, distribution.get_data_layout(a.shape)) for a in arrays
+        keras.distribution.distribute_tensor(a, distribution.get_data_layout(a.shape))
+        for a in arrays
     )
     lines = []
     with distribution.scope():
         for name, make in settings().items():
             layer = make()
             layer.build((BATCH, CHANNELS))
-            count, floats = jax_programs.hlo_all_reduces(jax_programs.jax_training_step_hlo(layer, x, upstream))
-            lines.append(f"hlo setting={name} replicas={REPLICAS} all_reduces={count} all_reduce_floats={floats}")
+            count, floats = jax_programs.hlo_all_reduces(
+                jax_programs.jax_training_step_hlo(layer, x, upstream)
+            )
+            lines.append(
+                f"hlo setting={name} replicas={REPLICAS} all_reduces={count} "
+                f"all_reduce_floats={floats}"
+            )
     return lines
 
 

@@ -19,8 +19,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import keras_bn
 from benchmarks import timing
+import keras_bn
 from trainers import inception_model
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Batch size.", lower_bound=2)
@@ -58,10 +58,14 @@ def main(argv):
             "ours": make_step(keras_bn.BatchNormalization, batch, size),
             "keras": make_step(keras.layers.BatchNormalization, batch, size),
         },
-        warmup=2, repeats=_REPEATS.value, rounds=_ROUNDS.value,
+        warmup=2,
+        repeats=_REPEATS.value,
+        rounds=_ROUNDS.value,
     )
-    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, BN-Inception, "
-          f"batch {batch}, {size}x{size}, CPU threads={os.cpu_count()}")
+    print(
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}, BN-Inception, "
+        f"batch {batch}, {size}x{size}, CPU threads={os.cpu_count()}"
+    )
     ours, theirs = batch / times["ours"], batch / times["keras"]
     print(f"ours {ours:.2f} images/s, keras {theirs:.2f} images/s, ratio {ours / theirs:.3f}")
 

@@ -41,18 +41,29 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-_DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data directory holding mnist (offline: ../shared/data/tensorflow_datasets).")
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir",
+    None,
+    "TFDS data directory holding mnist (offline: ../shared/data/tensorflow_datasets).",
+)
 _REPLICAS = flags.DEFINE_integer("replicas", 8, "Devices on the batch axis.", lower_bound=2)
-_BATCH = flags.DEFINE_integer("global_batch", 64, "Global batch size (a multiple of --replicas).", lower_bound=2)
+_BATCH = flags.DEFINE_integer(
+    "global_batch", 64, "Global batch size (a multiple of --replicas).", lower_bound=2
+)
 _CHUNK = flags.DEFINE_integer("chunk", 200, "Training steps per timed sample.", lower_bound=1)
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed samples per layer (after one untimed chunk).", lower_bound=1)
-_LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.5, "SGD learning rate (the MNIST trainer's).", lower_bound=0.0)
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 5, "Timed samples per layer (after one untimed chunk).", lower_bound=1
+)
+_LEARNING_RATE = flags.DEFINE_float(
+    "learning_rate", 0.5, "SGD learning rate (the MNIST trainer's).", lower_bound=0.0
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Kernel initialisation and data order.", lower_bound=0)
 
 _LOAD = (
     "import sys, numpy as np\n"
     "from trainers import mnist_data\n"
-    "train, test = (mnist_data.load_mnist(sys.argv[1] if sys.argv[1] != 'None' else None, s) for s in ('train', 'test'))\n"
+    "data_dir = sys.argv[1] if sys.argv[1] != 'None' else None\n"
+    "train, test = (mnist_data.load_mnist(data_dir, s) for s in ('train', 'test'))\n"
     "np.savez(sys.argv[2], x=train[0], y=train[1], x_test=test[0], y_test=test[1])\n"
 )
 
@@ -69,16 +80,16 @@ def main(argv):
     del argv
     if _BATCH.value % _REPLICAS.value:
         raise app.UsageError(
-            f"--global_batch must be a multiple of --replicas. Received: global_batch={_BATCH.value}, "
+            "--global_batch must be a multiple of --replicas. "
+            f"Received: global_batch={_BATCH.value}, "
             f"replicas={_REPLICAS.value}"
         )
     (x, y), (x_test, y_test) = load_mnist(_DATA_DIR.value)
     import jax
-
     import keras
 
-    import keras_bn
     from benchmarks import timing
+    import keras_bn
     from tests import jax_programs
     from trainers import mnist_model
 
@@ -86,10 +97,12 @@ def main(argv):
         raise RuntimeError(f"JAX sees {jax.device_count()} devices; XLA_FLAGS was set too late.")
     distribution = keras.distribution.DataParallel(devices=jax.devices()[: _REPLICAS.value])
     steps = _CHUNK.value * (_ROUNDS.value + 1)
-    order = np.concatenate([
-        np.random.RandomState(_SEED.value + epoch).permutation(len(x))
-        for epoch in range(-(-steps * _BATCH.value // len(x)))
-    ])[: steps * _BATCH.value]
+    order = np.concatenate(
+        [
+            np.random.RandomState(_SEED.value + epoch).permutation(len(x))
+            for epoch in range(-(-steps * _BATCH.value // len(x)))
+        ]
+    )[: steps * _BATCH.value]
     layers = {
         "keras_bn": (keras_bn.BatchNormalization, False),
         "keras_bn_global": (keras_bn.BatchNormalization, True),
@@ -109,10 +122,17 @@ def main(argv):
 
     def train_chunk(name):
         def run():
-            rows = order[cursors[name] * _BATCH.value : (cursors[name] + _CHUNK.value) * _BATCH.value]
+            rows = order[
+                cursors[name] * _BATCH.value : (cursors[name] + _CHUNK.value) * _BATCH.value
+            ]
             with distribution.scope():
                 models[name].fit(
-                    x[rows], y[rows], batch_size=_BATCH.value, epochs=1, shuffle=False, verbose=0,
+                    x[rows],
+                    y[rows],
+                    batch_size=_BATCH.value,
+                    epochs=1,
+                    shuffle=False,
+                    verbose=0,
                     callbacks=[jax_programs.OneStepInFlight()],
                 )
             cursors[name] += _CHUNK.value
@@ -122,8 +142,11 @@ def main(argv):
     seconds = timing.time_interleaved(
         {name: train_chunk(name) for name in models}, warmup=1, repeats=1, rounds=_ROUNDS.value
     )
-    print(f"JAX {jax.__version__}, Keras {keras.__version__}, DataParallel over {_REPLICAS.value} "
-          f"{jax.devices()[0].platform.upper()} devices, global batch {_BATCH.value}, {steps} steps each")
+    print(
+        f"JAX {jax.__version__}, Keras {keras.__version__}, DataParallel over {_REPLICAS.value} "
+        f"{jax.devices()[0].platform.upper()} devices, global batch {_BATCH.value}, "
+        f"{steps} steps each"
+    )
     rates = {}
     for name, model in models.items():
         with distribution.scope():

@@ -23,8 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import keras_bn
 from benchmarks import timing
+import keras_bn
 
 _SHAPES = ((256, 100), (64, 28, 28, 64), (32, 14, 14, 256))
 
@@ -51,10 +51,14 @@ def make_step(layer, shape, jit_compile):
 
 def main(argv):
     del argv
-    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-          f"jit_compile={_JIT.value}, CPU threads={os.cpu_count()}")
-    print(f"{'shape':>20} {'ours ms':>9} {'keras ms':>9} {'ratio':>6} {'guard':>6} "
-          f"{'ours GB/s':>10} {'keras GB/s':>10}")
+    print(
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+        f"jit_compile={_JIT.value}, CPU threads={os.cpu_count()}"
+    )
+    print(
+        f"{'shape':>20} {'ours ms':>9} {'keras ms':>9} {'ratio':>6} {'guard':>6} "
+        f"{'ours GB/s':>10} {'keras GB/s':>10}"
+    )
     for shape in _SHAPES:
         times = timing.time_interleaved(
             {
@@ -74,6 +78,7 @@ def main(argv):
             f"{times['ours'] / times['keras']:6.2f} {times['ours'] / times['unguarded']:6.2f} "
             f"{gigabytes / times['ours']:10.2f} {gigabytes / times['keras']:10.2f}"
         )
+
 
 if __name__ == "__main__":
     app.run(main)

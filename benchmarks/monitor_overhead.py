@@ -34,9 +34,14 @@ from trainers import mnist_sigmoid  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 1000, "Training steps per timed sample.", lower_bound=100)
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed samples of each.", lower_bound=1)
-_EVERY = flags.DEFINE_integer("every_n_steps", 100, "The monitor's logging interval.", lower_bound=1)
+_EVERY = flags.DEFINE_integer(
+    "every_n_steps", 100, "The monitor's logging interval.", lower_bound=1
+)
 _SPE = flags.DEFINE_integer(
-    "steps_per_execution", 1, "Keras' steps per compiled call (batch hooks run once per call).", lower_bound=1
+    "steps_per_execution",
+    1,
+    "Keras' steps per compiled call (batch hooks run once per call).",
+    lower_bound=1,
 )
 
 
@@ -48,10 +53,13 @@ def main(argv):
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(60).cache()
     model, _ = mnist_model.build_model("batch_norm", 0.1, 0)
     model.compile(
-        keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.SGD(0.5),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=_SPE.value,
     )
-    monitor = keras_bn.BatchNormMonitor(tempfile.mkdtemp(), x[: mnist_sigmoid.PROBE_SIZE.value], every_n_steps=_EVERY.value)
+    monitor = keras_bn.BatchNormMonitor(
+        tempfile.mkdtemp(), x[: mnist_sigmoid.PROBE_SIZE.value], every_n_steps=_EVERY.value
+    )
 
     def fit(callbacks):
         start = time.perf_counter()
@@ -78,17 +86,23 @@ def main(argv):
             times[name].append(seconds)
         ratios.append(pair["with"] / pair["without"])
     without = np.median(times["without"])
-    print(f"Keras {keras.__version__}, {_STEPS.value} steps of batch 60 "
-          f"(steps_per_execution={_SPE.value}), monitor every "
-          f"{_EVERY.value} steps with a {mnist_sigmoid.PROBE_SIZE.value}-example probe")
+    print(
+        f"Keras {keras.__version__}, {_STEPS.value} steps of batch 60 "
+        f"(steps_per_execution={_SPE.value}), monitor every "
+        f"{_EVERY.value} steps with a {mnist_sigmoid.PROBE_SIZE.value}-example probe"
+    )
     overhead = 100 * (np.asarray(ratios) - 1)
     low, high = np.percentile(overhead, [25, 75])
-    print(f"fit without monitor {without:.3f} s, with monitor {np.median(times['with']):.3f} s "
-          f"(medians of {_ROUNDS.value}), overhead {np.median(overhead):.1f}% "
-          f"(median of {_ROUNDS.value} paired ratios; quartiles {low:.1f}% to {high:.1f}%)")
+    print(
+        f"fit without monitor {without:.3f} s, with monitor {np.median(times['with']):.3f} s "
+        f"(medians of {_ROUNDS.value}), overhead {np.median(overhead):.1f}% "
+        f"(median of {_ROUNDS.value} paired ratios; quartiles {low:.1f}% to {high:.1f}%)"
+    )
     per_fit = sum(inside) / _ROUNDS.value
-    print(f"inside the monitor {per_fit:.3f} s per fit ({len(inside) // _ROUNDS.value} logs), "
-          f"{100 * per_fit / without:.1f}% of the fit without it")
+    print(
+        f"inside the monitor {per_fit:.3f} s per fit ({len(inside) // _ROUNDS.value} logs), "
+        f"{100 * per_fit / without:.1f}% of the fit without it"
+    )
 
 
 if __name__ == "__main__":

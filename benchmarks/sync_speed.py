@@ -31,22 +31,30 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app
 from absl import flags
 
-from trainers import devices
 from tests import sync_fixtures
+from trainers import devices
 
 _REPLICAS = flags.DEFINE_integer("replicas", 2, "Logical devices (replicas).", lower_bound=2)
 _DEVICE = flags.DEFINE_enum(
-    "device", "CPU", ["CPU", "GPU"],
+    "device",
+    "CPU",
+    ["CPU", "GPU"],
     "Device type the replicas run on: the first one is split into --replicas logical devices "
     "unless that many physical devices exist.",
 )
 _BATCH = flags.DEFINE_integer("global_batch", 64, "Global batch size.", lower_bound=2)
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed samples per model.", lower_bound=1)
-_SYNC = flags.DEFINE_bool("synchronized", True, "Synchronise the moments (False: local-moment baseline).")
+_SYNC = flags.DEFINE_bool(
+    "synchronized", True, "Synchronise the moments (False: local-moment baseline)."
+)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Steps per sample.", lower_bound=1)
-_PAYLOAD = flags.DEFINE_bool("payload", False, "Print the counted all-reduce payloads instead of timing.")
+_PAYLOAD = flags.DEFINE_bool(
+    "payload", False, "Print the counted all-reduce payloads instead of timing."
+)
 _HLO = flags.DEFINE_bool(
-    "hlo", False, "Print the all-reduces of the compiled JAX training step under DataParallel instead of timing."
+    "hlo",
+    False,
+    "Print the all-reduces of the compiled JAX training step under DataParallel instead of timing.",
 )
 
 PAYLOAD_REPLICAS = (2, 8, 64, 1024)
@@ -80,17 +88,19 @@ def payload_lines(replica_counts=PAYLOAD_REPLICAS, channels=PAYLOAD_CHANNELS):
 def build_model(bn_factory):
     import keras  # Imported after the CPU split (see main).
 
-    return keras.Sequential([
-        keras.Input((32, 32, 16)),
-        keras.layers.Conv2D(32, 3, padding="same", use_bias=False),
-        bn_factory(),
-        keras.layers.ReLU(),
-        keras.layers.Conv2D(64, 3, padding="same", use_bias=False),
-        bn_factory(),
-        keras.layers.ReLU(),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((32, 32, 16)),
+            keras.layers.Conv2D(32, 3, padding="same", use_bias=False),
+            bn_factory(),
+            keras.layers.ReLU(),
+            keras.layers.Conv2D(64, 3, padding="same", use_bias=False),
+            bn_factory(),
+            keras.layers.ReLU(),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def make_step(strategy, bn_factory, global_batch):
@@ -109,9 +119,7 @@ def make_step(strategy, bn_factory, global_batch):
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset.unbatch().batch(global_batch)))
     batch = next(iterator)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="sum"
-    )
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
 
     def replica_step(inputs, labels):
         with tf.GradientTape() as tape:
@@ -147,19 +155,29 @@ def main(argv):
     else:
         names = devices.split_device(_DEVICE.value, _REPLICAS.value)
 
-    import keras_bn
     from benchmarks import timing
+    import keras_bn
 
     strategy = tf.distribute.MirroredStrategy(names[: _REPLICAS.value])
     steps = {
-        "ours": make_step(strategy, lambda: keras_bn.BatchNormalization(synchronized=_SYNC.value), _BATCH.value),
-        "keras": make_step(strategy, lambda: keras.layers.BatchNormalization(synchronized=_SYNC.value), _BATCH.value),
+        "ours": make_step(
+            strategy, lambda: keras_bn.BatchNormalization(synchronized=_SYNC.value), _BATCH.value
+        ),
+        "keras": make_step(
+            strategy,
+            lambda: keras.layers.BatchNormalization(synchronized=_SYNC.value),
+            _BATCH.value,
+        ),
     }
     times = timing.time_interleaved(steps, warmup=3, repeats=_REPEATS.value, rounds=_ROUNDS.value)
-    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-          f"{_REPLICAS.value} {_DEVICE.value} replicas, global batch {_BATCH.value}")
-    print(f"ours {times['ours'] * 1e3:.2f} ms/step, keras {times['keras'] * 1e3:.2f} ms/step, "
-          f"ratio {times['ours'] / times['keras']:.2f}")
+    print(
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+        f"{_REPLICAS.value} {_DEVICE.value} replicas, global batch {_BATCH.value}"
+    )
+    print(
+        f"ours {times['ours'] * 1e3:.2f} ms/step, keras {times['keras'] * 1e3:.2f} ms/step, "
+        f"ratio {times['ours'] / times['keras']:.2f}"
+    )
 
 
 if __name__ == "__main__":

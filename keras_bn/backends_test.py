@@ -30,7 +30,6 @@ def _data(shape, seed, loc=2.0, scale=3.0):
 
 
 class BackendTest(parameterized.TestCase):
-
     @parameterized.named_parameters(
         ("plain", {}),
         ("unbiased_cumulative", {"momentum": None, "unbiased_variance": True}),
@@ -49,9 +48,13 @@ class BackendTest(parameterized.TestCase):
             x_hat = x_hat * r + d
         np.testing.assert_allclose(y, x_hat, rtol=1e-5, atol=1e-5)
         m = 24
-        batch_variance = variance.ravel() * (m / (m - 1) if kwargs.get("unbiased_variance") else 1.0)
+        batch_variance = variance.ravel() * (
+            m / (m - 1) if kwargs.get("unbiased_variance") else 1.0
+        )
         rate = 1.0 if kwargs.get("momentum", 0.99) is None else 0.01
-        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_mean), rate * mean.ravel(), rtol=1e-5)
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(layer.moving_mean), rate * mean.ravel(), rtol=1e-5
+        )
         if kwargs.get("renorm"):
             stddev = 0.99 + 0.01 * np.sqrt(batch_variance + 1e-3)
             expected_variance = stddev**2 - 1e-3
@@ -104,14 +107,16 @@ class BackendTest(parameterized.TestCase):
         x = _data((64, 5, 3), 5)
         x[:, 3:] = 0.0  # Padding, masked out by the Masking layer.
         y = (x[:, :3].sum((1, 2)) > 6.0).astype(np.float32)
-        model = keras.Sequential([
-            keras.Input((5, 3)),
-            keras.layers.Masking(0.0),
-            # The exact cumulative average, so the moving mean is checkable.
-            keras_bn.BatchNormalization(momentum=None, **kwargs),
-            keras.layers.GlobalAveragePooling1D(),
-            keras.layers.Dense(1, activation="sigmoid"),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((5, 3)),
+                keras.layers.Masking(0.0),
+                # The exact cumulative average, so the moving mean is checkable.
+                keras_bn.BatchNormalization(momentum=None, **kwargs),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(1, activation="sigmoid"),
+            ]
+        )
         model.compile(keras.optimizers.SGD(0.5), "binary_crossentropy")
         history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
         losses = history.history["loss"]
@@ -128,7 +133,9 @@ class BackendTest(parameterized.TestCase):
             "layer(np.ones((4, 3), 'float32'), training=True, mask=np.ones((4,), bool))\n"
             "print('tensorflow' in sys.modules)\n"
         )
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True
+        )
         self.assertEqual(out.stdout.strip().splitlines()[-1], str(BACKEND == "tensorflow"))
 
     def test_ghost_batches(self):
@@ -137,28 +144,40 @@ class BackendTest(parameterized.TestCase):
         y = keras.ops.convert_to_numpy(layer(x, training=True))
         expected = references.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, 1e-3)
         np.testing.assert_allclose(y, expected["y"], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_mean), expected["mean"], rtol=1e-5)
-        np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.moving_variance), expected["variance"], rtol=1e-5)
-        dx = _input_gradient(lambda v: keras.ops.sum(keras.ops.multiply(layer(v, training=True), upstream)), x)
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(layer.moving_mean), expected["mean"], rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(layer.moving_variance), expected["variance"], rtol=1e-5
+        )
+        dx = _input_gradient(
+            lambda v: keras.ops.sum(keras.ops.multiply(layer(v, training=True), upstream)), x
+        )
         np.testing.assert_allclose(dx, expected["dx"], rtol=1e-4, atol=1e-5)
         # Inference ignores the ghost batch size.
         self.assertEqual(tuple(layer(x[:3], training=False).shape), (3, 3))
 
     def test_converted_model_trains_after_its_original(self):
         x, y = _data((32, 6), 5), _data((32, 1), 6)
-        original = keras.Sequential([
-            keras.Input((6,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
-            keras.layers.Dense(1),
-        ])
+        original = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(16),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(1),
+            ]
+        )
         converted = keras_bn.convert_batch_norm(original)
         for model in (original, converted):  # The original first: its buffers are donated.
             model.compile(keras.optimizers.SGD(0.01), "mse")
             history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
             self.assertTrue(np.all(np.isfinite(history.history["loss"])))
-        self.assertFalse(np.array_equal(
-            keras.ops.convert_to_numpy(original.layers[1].moving_mean),
-            keras.ops.convert_to_numpy(converted.layers[1].moving_mean),
-        ))
+        self.assertFalse(
+            np.array_equal(
+                keras.ops.convert_to_numpy(original.layers[1].moving_mean),
+                keras.ops.convert_to_numpy(converted.layers[1].moving_mean),
+            )
+        )
 
     def test_synchronized_needs_a_distribution_engine(self):
         if BACKEND in ("tensorflow", "jax"):

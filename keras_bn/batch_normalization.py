@@ -268,7 +268,10 @@ class BatchNormalization(keras.layers.Layer):
         )
         if self.scale:
             self.gamma = self._parameter(
-                "gamma", shape, self.gamma_initializer, self.gamma_regularizer,
+                "gamma",
+                shape,
+                self.gamma_initializer,
+                self.gamma_regularizer,
                 self.gamma_constraint,
             )
         if self.center:
@@ -411,8 +414,16 @@ class BatchNormalization(keras.layers.Layer):
             r, d = self._renorm_correction(mean, variance)
             gamma, beta = gamma * r, beta + gamma * d
         y = normalize.normalize_with_batch_statistics(
-            x, gamma, beta, mean, variance, count,
-            axes=axes, epsilon=self.epsilon, weights=weights, groups=plan.groups,
+            x,
+            gamma,
+            beta,
+            mean,
+            variance,
+            count,
+            axes=axes,
+            epsilon=self.epsilon,
+            weights=weights,
+            groups=plan.groups,
         )
         self._update_moving_statistics(*plan.pool(count, mean, variance))
         return ops.cast(plan.merge(y), self.compute_dtype)
@@ -519,29 +530,16 @@ class BatchNormalization(keras.layers.Layer):
                 "renorm_momentum": self.renorm_momentum,
                 "skip_nonfinite_updates": self.skip_nonfinite_updates,
                 "momentum_warmup": self.momentum_warmup,
-                "beta_initializer": initializers.serialize(
-                    self.beta_initializer
-                ),
-                "gamma_initializer": initializers.serialize(
-                    self.gamma_initializer
-                ),
-                "moving_mean_initializer": initializers.serialize(
-                    self.moving_mean_initializer
-                ),
+                "beta_initializer": initializers.serialize(self.beta_initializer),
+                "gamma_initializer": initializers.serialize(self.gamma_initializer),
+                "moving_mean_initializer": initializers.serialize(self.moving_mean_initializer),
                 "moving_variance_initializer": initializers.serialize(
                     self.moving_variance_initializer
                 ),
-                "beta_regularizer": regularizers.serialize(
-                    self.beta_regularizer
-                ),
-                "gamma_regularizer": regularizers.serialize(
-                    self.gamma_regularizer
-                ),
+                "beta_regularizer": regularizers.serialize(self.beta_regularizer),
+                "gamma_regularizer": regularizers.serialize(self.gamma_regularizer),
                 "beta_constraint": constraints.serialize(self.beta_constraint),
-                "gamma_constraint": constraints.serialize(
-                    self.gamma_constraint
-                ),
+                "gamma_constraint": constraints.serialize(self.gamma_constraint),
             }
         )
         return config
-

@@ -24,9 +24,7 @@ SHAPES = (
 
 
 def _random(shape, seed, loc=0.0, scale=1.0):
-    return (np.random.RandomState(seed).randn(*shape) * scale + loc).astype(
-        np.float32
-    )
+    return (np.random.RandomState(seed).randn(*shape) * scale + loc).astype(np.float32)
 
 
 def _feature_shape(shape, axis):
@@ -83,18 +81,13 @@ def _masked_moments(x, mask, feature_axes):
 
 
 class ForwardTest(parameterized.TestCase):
-
     @parameterized.named_parameters(*SHAPES)
     def test_training_output_matches_reference(self, shape, axis):
         x = _random(shape, 0, loc=3.0, scale=2.0)
         layer = _layer_with_random_params(shape, axis)
         gamma, beta = _params(layer, len(shape))
-        expected = references.reference_batch_norm(
-            x, gamma, beta, layer.axis, layer.epsilon
-        )
-        np.testing.assert_allclose(
-            layer(x, training=True), expected, rtol=1e-5, atol=1e-5
-        )
+        expected = references.reference_batch_norm(x, gamma, beta, layer.axis, layer.epsilon)
+        np.testing.assert_allclose(layer(x, training=True), expected, rtol=1e-5, atol=1e-5)
 
     @parameterized.named_parameters(
         ("no_center", False, True), ("no_scale", True, False), ("neither", False, False)
@@ -144,7 +137,9 @@ class ForwardTest(parameterized.TestCase):
         layer = BatchNormalization(axis=axis, momentum=0.0, dtype="float64")
         y = layer(x.astype(np.float64), training=True, mask=mask)
         mean, var = _masked_moments(x, mask, layer.feature_axes)
-        np.testing.assert_allclose(np.ravel(layer.moving_mean), mean.ravel(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            np.ravel(layer.moving_mean), mean.ravel(), rtol=1e-12, atol=1e-12
+        )
         np.testing.assert_allclose(np.ravel(layer.moving_variance), var.ravel(), rtol=1e-12)
         np.testing.assert_allclose(y, (x - mean) / np.sqrt(var + 1e-3), rtol=1e-10, atol=1e-10)
 
@@ -161,7 +156,6 @@ class ForwardTest(parameterized.TestCase):
 
 
 class MovingStatisticsTest(parameterized.TestCase):
-
     @parameterized.product(
         case=[(s[1], s[2]) for s in SHAPES],
         unbiased=[False, True],
@@ -239,9 +233,7 @@ class MovingStatisticsTest(parameterized.TestCase):
 
 
 def _loss_reference(x, gamma, beta, weights, feature_axes, epsilon):
-    return np.sum(
-        weights * references.reference_batch_norm(x, gamma, beta, feature_axes, epsilon)
-    )
+    return np.sum(weights * references.reference_batch_norm(x, gamma, beta, feature_axes, epsilon))
 
 
 class GradientTest(parameterized.TestCase):
@@ -277,9 +269,15 @@ class GradientTest(parameterized.TestCase):
                 plus[k] += h
                 minus[k] -= h
                 if name == "gamma":
-                    numeric = (f(x, plus.reshape(param.shape), beta) - f(x, minus.reshape(param.shape), beta)) / (2 * h)
+                    numeric = (
+                        f(x, plus.reshape(param.shape), beta)
+                        - f(x, minus.reshape(param.shape), beta)
+                    ) / (2 * h)
                 else:
-                    numeric = (f(x, gamma, plus.reshape(param.shape)) - f(x, gamma, minus.reshape(param.shape))) / (2 * h)
+                    numeric = (
+                        f(x, gamma, plus.reshape(param.shape))
+                        - f(x, gamma, minus.reshape(param.shape))
+                    ) / (2 * h)
                 self.assertAlmostEqual(
                     float(analytic.numpy().ravel()[k]), numeric, delta=2e-4 * (1 + abs(numeric))
                 )
@@ -329,13 +327,15 @@ class GradientTest(parameterized.TestCase):
 
 
 class PrecisionTest(parameterized.TestCase):
-
     def tearDown(self):
         keras.mixed_precision.set_global_policy("float32")
         super().tearDown()
 
     def test_float64_layer_computes_in_float64(self):
-        x = _random((64, 6), 30, loc=1e3, scale=0.5).astype(np.float64) + np.random.RandomState(31).rand(64, 6) * 1e-6
+        x = (
+            _random((64, 6), 30, loc=1e3, scale=0.5).astype(np.float64)
+            + np.random.RandomState(31).rand(64, 6) * 1e-6
+        )
         layer = BatchNormalization(dtype="float64", momentum=0.0)
         y = layer(x, training=True)
         self.assertEqual(y.dtype, tf.float64)
@@ -393,7 +393,6 @@ def _small_model(**bn_kwargs):
 
 
 class SerializationTest(parameterized.TestCase):
-
     def test_config_round_trip(self):
         layer = BatchNormalization(
             axis=[1, 3],
@@ -445,7 +444,6 @@ class SerializationTest(parameterized.TestCase):
 
 
 class CompileTest(parameterized.TestCase):
-
     def test_train_step_compiles_with_xla(self):
         def run(jit):
             keras.utils.set_random_seed(0)
@@ -462,7 +460,10 @@ class CompileTest(parameterized.TestCase):
                 return loss
 
             for i in range(3):
-                loss = step(tf.constant(_random((8, 6, 6, 3), 120 + i)), tf.constant(_random((8, 5), 130 + i)))
+                loss = step(
+                    tf.constant(_random((8, 6, 6, 3), 120 + i)),
+                    tf.constant(_random((8, 5), 130 + i)),
+                )
             return loss, [v.numpy() for v in model.weights]
 
         loss_xla, weights_xla = run(True)
@@ -473,7 +474,6 @@ class CompileTest(parameterized.TestCase):
 
 
 class ValidationTest(parameterized.TestCase):
-
     @parameterized.named_parameters(
         ("momentum_one", {"momentum": 1.0}, ValueError, r"momentum.*Received: momentum=1.0"),
         ("momentum_negative", {"momentum": -0.1}, ValueError, r"Received: momentum=-0.1"),
@@ -484,14 +484,43 @@ class ValidationTest(parameterized.TestCase):
         ("axis_empty", {"axis": []}, TypeError, r"Received: axis=\[\]"),
         ("flag_type", {"center": "yes"}, TypeError, r"Received: center='yes'"),
         ("synchronized_type", {"synchronized": 1}, TypeError, r"Received: synchronized=1"),
-        ("group_size_type", {"synchronized": True, "sync_group_size": 2.0}, TypeError, r"Received: sync_group_size=2.0"),
-        ("group_size_bool", {"synchronized": True, "sync_group_size": True}, TypeError, r"Received: sync_group_size=True"),
-        ("group_size_zero", {"synchronized": True, "sync_group_size": 0}, ValueError, r">= 1. Received: sync_group_size=0"),
-        ("group_size_unsynchronized", {"sync_group_size": 2}, ValueError, r"needs synchronized=True. Received: sync_group_size=2"),
-        ("skip_type", {"skip_nonfinite_updates": 0}, TypeError, r"Received: skip_nonfinite_updates=0"),
+        (
+            "group_size_type",
+            {"synchronized": True, "sync_group_size": 2.0},
+            TypeError,
+            r"Received: sync_group_size=2.0",
+        ),
+        (
+            "group_size_bool",
+            {"synchronized": True, "sync_group_size": True},
+            TypeError,
+            r"Received: sync_group_size=True",
+        ),
+        (
+            "group_size_zero",
+            {"synchronized": True, "sync_group_size": 0},
+            ValueError,
+            r">= 1. Received: sync_group_size=0",
+        ),
+        (
+            "group_size_unsynchronized",
+            {"sync_group_size": 2},
+            ValueError,
+            r"needs synchronized=True. Received: sync_group_size=2",
+        ),
+        (
+            "skip_type",
+            {"skip_nonfinite_updates": 0},
+            TypeError,
+            r"Received: skip_nonfinite_updates=0",
+        ),
         ("warmup_type", {"momentum_warmup": "on"}, TypeError, r"Received: momentum_warmup='on'"),
-        ("warmup_cumulative", {"momentum_warmup": True, "momentum": None}, ValueError,
-         r"Received: momentum_warmup=True, momentum=None"),
+        (
+            "warmup_cumulative",
+            {"momentum_warmup": True, "momentum": None},
+            ValueError,
+            r"Received: momentum_warmup=True, momentum=None",
+        ),
     )
     def test_constructor_rejects(self, kwargs, error, pattern):
         with self.assertRaisesRegex(error, pattern):
@@ -538,8 +567,12 @@ class ValidationTest(parameterized.TestCase):
             BatchNormalization()(np.ones((1, 3), np.float32), training=True)
 
     def test_mask_rank(self):
-        with self.assertRaisesRegex(ValueError, r"one dimension less.*Received: mask.shape=\(2, 5, 3\)"):
-            BatchNormalization()(np.ones((2, 5, 3), np.float32), training=True, mask=np.ones((2, 5, 3), bool))
+        with self.assertRaisesRegex(
+            ValueError, r"one dimension less.*Received: mask.shape=\(2, 5, 3\)"
+        ):
+            BatchNormalization()(
+                np.ones((2, 5, 3), np.float32), training=True, mask=np.ones((2, 5, 3), bool)
+            )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ replica need no collective, and groups need one only within the group.
 
 import dataclasses
 from typing import Any
-from typing import Optional
 
 import keras
 from keras import ops
@@ -99,9 +98,9 @@ class BatchPlan:
             and gradient sums across `tf.distribute` replicas.
     """
 
-    slices: Optional[int] = 1
-    slice_size: Optional[int] = None
-    groups: Optional[moments.ReplicaGroups] = None
+    slices: int | None = 1
+    slice_size: int | None = None
+    groups: moments.ReplicaGroups | None = None
 
     @property
     def sliced(self):
@@ -113,7 +112,9 @@ class BatchPlan:
             return x
         shape = ops.shape(x)
         if self.slices is None:
-            return ops.reshape(_assert_divisible(x, self.slice_size), (-1, self.slice_size, *shape[1:]))
+            return ops.reshape(
+                _assert_divisible(x, self.slice_size), (-1, self.slice_size, *shape[1:])
+            )
         return ops.reshape(x, (self.slices, shape[0] // self.slices, *shape[1:]))
 
     def merge(self, y):
@@ -164,9 +165,7 @@ class BatchPlan:
         return ops.divide_no_nan(total, nonempty), pooled_mean, pooled_variance
 
 
-def make_plan(
-    context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size
-):
+def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size):
     """The `BatchPlan` of one training call.
 
     Args:

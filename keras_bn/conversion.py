@@ -43,8 +43,7 @@ def convert_batch_norm(model, **overrides):
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
-            "convert_batch_norm needs a Keras model. "
-            f"Received: model={type(model).__name__}"
+            f"convert_batch_norm needs a Keras model. Received: model={type(model).__name__}"
         )
     if not hasattr(model, "inputs"):  # Only Sequential/functional models have graph inputs.
         raise ValueError(

@@ -25,7 +25,9 @@ def _bn_classes(model):
 
 
 def _train_one_step(model, x, classes):
-    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     y = np.arange(len(x)) % classes
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
 
@@ -35,7 +37,9 @@ def _nested_model():
         [
             keras.Input((6,)),
             keras.layers.Dense(5, use_bias=False),
-            keras.layers.BatchNormalization(renorm=True, renorm_clipping={"rmax": 2.0}, momentum=0.5, name="inner_bn"),
+            keras.layers.BatchNormalization(
+                renorm=True, renorm_clipping={"rmax": 2.0}, momentum=0.5, name="inner_bn"
+            ),
         ],
         name="inner",
     )
@@ -49,7 +53,6 @@ def _nested_model():
 
 
 class ConvertTest(parameterized.TestCase):
-
     def test_nested_model_keeps_config_weights_and_outputs(self):
         keras.utils.set_random_seed(0)
         model = _nested_model()
@@ -67,8 +70,16 @@ class ConvertTest(parameterized.TestCase):
         self.assertEqual(inner_bn.renorm_clipping, {"rmax": 2.0})
         self.assertEqual(converted.get_layer("conv_bn").epsilon, 1e-4)
         original_bn = model.get_layer("inner").get_layer("inner_bn")
-        for name in ("moving_mean", "moving_variance", "moving_stddev", "renorm_mean", "renorm_stddev"):
-            np.testing.assert_array_equal(getattr(inner_bn, name), getattr(original_bn, name), err_msg=name)
+        for name in (
+            "moving_mean",
+            "moving_variance",
+            "moving_stddev",
+            "renorm_mean",
+            "renorm_stddev",
+        ):
+            np.testing.assert_array_equal(
+                getattr(inner_bn, name), getattr(original_bn, name), err_msg=name
+            )
         # The original is untouched and shares no variable with the copy.
         self.assertEqual(_bn_classes(model)[:2], [keras.layers.BatchNormalization] * 2)
         np.testing.assert_array_equal(model(x, training=False), before)
@@ -83,15 +94,28 @@ class ConvertTest(parameterized.TestCase):
     def test_overrides_apply_to_every_batch_norm(self):
         model = _nested_model()
         converted = keras_bn.convert_batch_norm(
-            model, unbiased_variance=True, momentum=None, virtual_batch_size=4)
+            model, unbiased_variance=True, momentum=None, virtual_batch_size=4
+        )
         for layer in population.batch_norm_layers(converted):
             self.assertTrue(layer.unbiased_variance)
             self.assertIsNone(layer.momentum)
             self.assertEqual(layer.virtual_batch_size, 4)
 
     @parameterized.named_parameters(
-        ("not_a_model", keras.layers.Dense(2), {}, TypeError, r"needs a Keras model. Received: model=Dense"),
-        ("unknown_override", None, {"num_groups": 4}, TypeError, r"\['num_groups'\] are not keras_bn"),
+        (
+            "not_a_model",
+            keras.layers.Dense(2),
+            {},
+            TypeError,
+            r"needs a Keras model. Received: model=Dense",
+        ),
+        (
+            "unknown_override",
+            None,
+            {"num_groups": 4},
+            TypeError,
+            r"\['num_groups'\] are not keras_bn",
+        ),
         ("bad_override_value", None, {"momentum": 2.0}, ValueError, r"Received: momentum=2.0"),
     )
     def test_rejects(self, model, overrides, error, pattern):
@@ -110,7 +134,9 @@ class ConvertTest(parameterized.TestCase):
 
         net = Net()
         net(np.ones((2, 3), np.float32))
-        with self.assertRaisesRegex(ValueError, r"subclassed model cannot be cloned.*Received: model=Net"):
+        with self.assertRaisesRegex(
+            ValueError, r"subclassed model cannot be cloned.*Received: model=Net"
+        ):
             keras_bn.convert_batch_norm(net)
         self.assertIsInstance(net.bn, keras.layers.BatchNormalization)
 
@@ -120,12 +146,14 @@ def _check_application(test, build, synchronised_step=True):
     model = build()
     x = np.random.RandomState(1).rand(4, 32, 32, 3).astype(np.float32)
     _train_one_step(model, x, 10)
-    first_bn = [l for l in model.layers if isinstance(l, keras.layers.BatchNormalization)][0]
+    first_bn = [x for x in model.layers if isinstance(x, keras.layers.BatchNormalization)][0]
     test.assertFalse(np.allclose(first_bn.moving_mean, 0.0))  # Not the initial statistics.
     expected = model(x, training=False).numpy()
     converted = keras_bn.convert_batch_norm(model)
     test.assertNotIn(keras.layers.BatchNormalization, _bn_classes(converted))
-    np.testing.assert_allclose(converted(x, training=False), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(
+        converted(x, training=False), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()
+    )
     test.assertEqual(converted.count_params(), model.count_params())
     if synchronised_step:
         _check_synchronised_step(test, model, x, 10)
@@ -137,8 +165,12 @@ def _check_synchronised_step(test, model, x, classes):
     strategy = sync_fixtures.mirrored_cpu_strategy(2)
     with strategy.scope():
         synced = keras_bn.convert_batch_norm(model, synchronized=True)
-        synced.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    test.assertTrue(all(strategy.extended.variable_created_in_scope(v.value) for v in synced.weights))
+        synced.compile(
+            keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+    test.assertTrue(
+        all(strategy.extended.variable_created_in_scope(v.value) for v in synced.weights)
+    )
     test.assertTrue(all(layer.synchronized for layer in population.batch_norm_layers(synced)))
     history = synced.fit(x, np.arange(len(x)) % classes, batch_size=len(x), epochs=1, verbose=0)
     test.assertTrue(np.isfinite(history.history["loss"][0]))
@@ -149,15 +181,27 @@ class ApplicationsTest(absltest.TestCase):
     """keras.applications models (minutes each on 2 CPU cores: slow suite)."""
 
     def test_mobilenet_v2(self):
-        _check_application(self, lambda: keras.applications.MobileNetV2(
-            input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10, classifier_activation=None))
+        _check_application(
+            self,
+            lambda: keras.applications.MobileNetV2(
+                input_shape=(32, 32, 3),
+                alpha=0.35,
+                weights=None,
+                classes=10,
+                classifier_activation=None,
+            ),
+        )
 
     def test_resnet50(self):
         # A synchronised MirroredStrategy step of ResNet50 takes over 20
         # minutes on 2 CPU cores; MobileNetV2 covers that step.
-        _check_application(self, lambda: keras.applications.ResNet50(
-            input_shape=(32, 32, 3), weights=None, classes=10, classifier_activation=None),
-            synchronised_step=False)
+        _check_application(
+            self,
+            lambda: keras.applications.ResNet50(
+                input_shape=(32, 32, 3), weights=None, classes=10, classifier_activation=None
+            ),
+            synchronised_step=False,
+        )
 
 
 if __name__ == "__main__":

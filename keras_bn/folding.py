@@ -95,9 +95,7 @@ def _foldable_pairs(model):
         ):
             continue
         rank = len(producer.output.shape)
-        if isinstance(producer, keras.layers.Dense) or (
-            producer.data_format == "channels_last"
-        ):
+        if isinstance(producer, keras.layers.Dense) or (producer.data_format == "channels_last"):
             channel_axis = rank - 1
         else:
             channel_axis = 1
@@ -136,9 +134,7 @@ def fold_batch_norm(model):
             f"Received: model={type(model).__name__}"
         )
     if not model.built:
-        raise ValueError(
-            f"fold_batch_norm needs a built model. Received: model={model.name}"
-        )
+        raise ValueError(f"fold_batch_norm needs a built model. Received: model={model.name}")
     pairs = _foldable_pairs(model)
     folded_bns = {bn.name for bn in pairs.values()}
 
@@ -160,11 +156,7 @@ def fold_batch_norm(model):
             continue
         bn = pairs[layer.name]
         kernel = np.asarray(layer.kernel, np.float64)
-        bias = (
-            np.asarray(layer.bias, np.float64)
-            if layer.use_bias
-            else np.zeros(kernel.shape[-1])
-        )
+        bias = np.asarray(layer.bias, np.float64) if layer.use_bias else np.zeros(kernel.shape[-1])
         variance = np.asarray(bn.moving_variance, np.float64)
         scale = 1.0 / np.sqrt(variance + bn.epsilon)
         if bn.scale:

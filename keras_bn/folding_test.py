@@ -17,7 +17,11 @@ def _randomize_statistics(model, seed):
                 shape = weight.shape
                 if weight.name == "moving_variance":
                     weight.assign(rng.uniform(0.2, 3.0, shape).astype(np.float32))
-                elif weight.name not in ("moving_batches", "skipped_updates", "num_updates"):  # counters
+                elif weight.name not in (
+                    "moving_batches",
+                    "skipped_updates",
+                    "num_updates",
+                ):  # counters
                     weight.assign(rng.randn(*shape).astype(np.float32))
 
 
@@ -27,22 +31,31 @@ def _cpu_runs_nchw_conv():
 
     try:
         with tf.device("/cpu:0"):
-            tf.nn.conv2d(tf.zeros((1, 1, 2, 2)), tf.zeros((1, 1, 1, 1)), 1, "VALID", data_format="NCHW")
+            tf.nn.conv2d(
+                tf.zeros((1, 1, 2, 2)), tf.zeros((1, 1, 1, 1)), 1, "VALID", data_format="NCHW"
+            )
     except tf.errors.UnimplementedError:
         return False
     return True
 
 
 class FoldTest(parameterized.TestCase):
-
     def _check(self, model, x, expected_identity):
         _randomize_statistics(model, 0)
         folded = keras_bn.fold_batch_norm(model)
         expected = model(x, training=False).numpy()
-        np.testing.assert_allclose(folded(x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-        identities = [l.name for l in folded.layers if isinstance(l, folding.FoldedBatchNorm)]
+        np.testing.assert_allclose(
+            folded(x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()
+        )
+        identities = [x.name for x in folded.layers if isinstance(x, folding.FoldedBatchNorm)]
         self.assertCountEqual(identities, expected_identity)
-        self.assertFalse(any(isinstance(l, keras_bn.BatchNormalization) for l in folded.layers if l.name in expected_identity))
+        self.assertFalse(
+            any(
+                isinstance(x, keras_bn.BatchNormalization)
+                for x in folded.layers
+                if x.name in expected_identity
+            )
+        )
         original = {id(v) for v in model.weights}
         self.assertFalse(any(id(v) in original for v in folded.weights))
         return folded
@@ -70,7 +83,9 @@ class FoldTest(parameterized.TestCase):
         inputs = keras.Input((3, 9, 7))
         h = keras.layers.Conv2D(4, 3, data_format="channels_first", name="conv")(inputs)
         h = keras_bn.BatchNormalization(axis=1, name="bn_cf")(h)
-        h = keras.layers.Conv2D(4, 1, activation="relu", data_format="channels_first", name="conv_relu")(h)
+        h = keras.layers.Conv2D(
+            4, 1, activation="relu", data_format="channels_first", name="conv_relu"
+        )(h)
         h = keras_bn.BatchNormalization(axis=1, name="bn_after_relu")(h)
         branch = keras.layers.Conv2D(4, 1, data_format="channels_first", name="shared")(h)
         a = keras_bn.BatchNormalization(axis=1, name="bn_shared")(branch)
@@ -85,22 +100,35 @@ class FoldTest(parameterized.TestCase):
         _randomize_statistics(model, 0)
         folded = keras_bn.fold_batch_norm(model)
         conv, bn = model.get_layer("conv"), model.get_layer("bn_cf")
-        gamma, beta, mean, variance = (np.asarray(v, np.float64) for v in (bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance))
+        gamma, beta, mean, variance = (
+            np.asarray(v, np.float64)
+            for v in (bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance)
+        )
         scale = gamma / np.sqrt(variance + bn.epsilon)
         target = folded.get_layer("conv")
-        np.testing.assert_allclose(target.kernel, np.asarray(conv.kernel, np.float64) * scale, rtol=1e-6)
-        np.testing.assert_allclose(target.bias, (np.asarray(conv.bias, np.float64) - mean) * scale + beta, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            target.kernel, np.asarray(conv.kernel, np.float64) * scale, rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            target.bias,
+            (np.asarray(conv.bias, np.float64) - mean) * scale + beta,
+            rtol=1e-6,
+            atol=1e-6,
+        )
         self.assertIsInstance(folded.get_layer("bn_cf"), folding.FoldedBatchNorm)
         # A BN after a ReLU, or after a layer with a second consumer, stays.
         for name in ("bn_after_relu", "bn_shared"):
             self.assertIsInstance(folded.get_layer(name), keras_bn.BatchNormalization)
-            np.testing.assert_array_equal(folded.get_layer(name).moving_mean, model.get_layer(name).moving_mean)
+            np.testing.assert_array_equal(
+                folded.get_layer(name).moving_mean, model.get_layer(name).moving_mean
+            )
 
     def test_channels_first_conv_outputs_match(self):
         if not _cpu_runs_nchw_conv():
             self.skipTest(
                 "TensorFlow runs an NCHW Conv2D on the CPU only with its oneDNN kernels, which "
-                "are off on this machine (TF_ENABLE_ONEDNN_OPTS=0 or a CPU it does not enable them on)"
+                "are off on this machine (TF_ENABLE_ONEDNN_OPTS=0 or a CPU it does not "
+                "enable them on)"
             )
         x = np.random.RandomState(2).randn(2, 3, 9, 7).astype(np.float32)
         folded = self._check(self._channels_first_model(), x, ["bn_cf"])

@@ -44,7 +44,6 @@ def _step(layer, x, upstream, mask=None):
 
 
 class GhostBatchTest(parameterized.TestCase):
-
     def _assert_matches(self, results, expected, channels):
         y, dx, dgamma, dbeta = (np.asarray(r, np.float64) for r in results)
         np.testing.assert_allclose(y.reshape(-1, channels), expected["y"], rtol=1e-5, atol=1e-5)
@@ -61,12 +60,19 @@ class GhostBatchTest(parameterized.TestCase):
         # Consecutive rows of the flattened map: each ghost batch of 4
         # examples is 4·H·W rows.
         expected = references.reference_sliced_batch_norm(
-            x.reshape(-1, channels), upstream.reshape(-1, channels), 1.0, 0.0, shape[0] // 4, EPSILON
+            x.reshape(-1, channels),
+            upstream.reshape(-1, channels),
+            1.0,
+            0.0,
+            shape[0] // 4,
+            EPSILON,
         )
         self._assert_matches(results, expected, channels)
         # Moving statistics move towards the ghost batches' mean moments.
         np.testing.assert_allclose(np.asarray(layer.moving_mean), expected["mean"], rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(layer.moving_variance), expected["variance"], rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(layer.moving_variance), expected["variance"], rtol=1e-5
+        )
         # Ghost batches differ from the whole batch (the check can fail).
         whole = references.reference_sliced_batch_norm(
             x.reshape(-1, channels), upstream.reshape(-1, channels), 1.0, 0.0, 1, EPSILON
@@ -84,7 +90,9 @@ class GhostBatchTest(parameterized.TestCase):
         expected = references.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, EPSILON)
         self._assert_matches(step(tf.constant(x), tf.constant(upstream)), expected, 3)
         # A batch the ghost size does not divide fails at run time, naming both.
-        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"virtual_batch_size=4 must divide[\s\S]*\b10\b"):
+        with self.assertRaisesRegex(
+            tf.errors.InvalidArgumentError, r"virtual_batch_size=4 must divide[\s\S]*\b10\b"
+        ):
             step(tf.constant(x[:10]), tf.constant(upstream[:10]))
 
     def test_mirrored_strategy_each_replica_its_own_ghost_batches(self):
@@ -99,17 +107,23 @@ class GhostBatchTest(parameterized.TestCase):
                 lambda ctx: tf.constant(np.split(array, 2)[ctx.replica_id_in_sync_group])
             )
 
-        results = strategy.run(tf.function(lambda x, u: _step(layer, x, u)), args=(parts(x), parts(upstream)))
+        results = strategy.run(
+            tf.function(lambda x, u: _step(layer, x, u)), args=(parts(x), parts(upstream))
+        )
         for replica in range(2):
             rows = slice(8 * replica, 8 * replica + 8)
-            expected = references.reference_sliced_batch_norm(x[rows], upstream[rows], 1.0, 0.0, 2, EPSILON)
+            expected = references.reference_sliced_batch_norm(
+                x[rows], upstream[rows], 1.0, 0.0, 2, EPSILON
+            )
             local = [strategy.experimental_local_results(r)[replica] for r in results]
             self._assert_matches(local, expected, 3)
         # Each replica moved its own copy; a cross-replica read averages them:
         # the mean over all four ghost batches.
         expected = references.reference_sliced_batch_norm(x, upstream, 1.0, 0.0, 4, EPSILON)
         np.testing.assert_allclose(np.asarray(layer.moving_mean), expected["mean"], rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(layer.moving_variance), expected["variance"], rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(layer.moving_variance), expected["variance"], rtol=1e-5
+        )
 
     def test_masked_and_unbiased_moving_statistics_are_pooled(self):
         x = _data((8, 5, 2), 6)
@@ -121,11 +135,15 @@ class GhostBatchTest(parameterized.TestCase):
         layer(tf.constant(x), training=True, mask=tf.constant(mask))
         sums, counts, m2s = [], [], []
         for ghost in range(2):
-            values = x[4 * ghost:4 * ghost + 4][mask[4 * ghost:4 * ghost + 4]].astype(np.float64)
+            values = x[4 * ghost : 4 * ghost + 4][mask[4 * ghost : 4 * ghost + 4]].astype(
+                np.float64
+            )
             counts.append(len(values))
             sums.append(values.sum(0))
             m2s.append(((values - values.mean(0)) ** 2).sum(0))
-        np.testing.assert_allclose(np.asarray(layer.moving_mean), np.sum(sums, 0) / np.sum(counts), rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(layer.moving_mean), np.sum(sums, 0) / np.sum(counts), rtol=1e-5
+        )
         # Pooled unbiased variance: Σ M2 / Σ (n − 1) over the ghost batches.
         np.testing.assert_allclose(
             np.asarray(layer.moving_variance), np.sum(m2s, 0) / (np.sum(counts) - 2), rtol=1e-5
@@ -137,7 +155,9 @@ class GhostBatchTest(parameterized.TestCase):
         layer(tf.constant(x), training=True)
         mean, variance = np.asarray(layer.moving_mean), np.asarray(layer.moving_variance)
         y = np.asarray(layer(tf.constant(x[:3]), training=False))
-        np.testing.assert_allclose(y, (x[:3] - mean) / np.sqrt(variance + EPSILON), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            y, (x[:3] - mean) / np.sqrt(variance + EPSILON), rtol=1e-5, atol=1e-6
+        )
 
     def test_config_and_keras_file_round_trip(self):
         model = keras.Sequential([keras.Input((3,)), _layer(momentum=0.5), keras.layers.Dense(1)])
@@ -149,7 +169,9 @@ class GhostBatchTest(parameterized.TestCase):
         model.save(path)
         loaded = keras.models.load_model(path)
         self.assertEqual(loaded.layers[0].virtual_batch_size, 4)
-        np.testing.assert_allclose(loaded.predict(x[:5], verbose=0), model.predict(x[:5], verbose=0), rtol=1e-6)
+        np.testing.assert_allclose(
+            loaded.predict(x[:5], verbose=0), model.predict(x[:5], verbose=0), rtol=1e-6
+        )
         # Training continues with ghost batches after the reload.
         loaded.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
 
@@ -158,8 +180,12 @@ class GhostBatchTest(parameterized.TestCase):
         ("float", TypeError, {"virtual_batch_size": 4.0}, r"Received: virtual_batch_size=4.0"),
         ("bool", TypeError, {"virtual_batch_size": True}, r"Received: virtual_batch_size=True"),
         ("one", ValueError, {"virtual_batch_size": 1}, r"Received: virtual_batch_size=1"),
-        ("synchronized", ValueError, {"virtual_batch_size": 4, "synchronized": True},
-         r"Received: virtual_batch_size=4, synchronized=True"),
+        (
+            "synchronized",
+            ValueError,
+            {"virtual_batch_size": 4, "synchronized": True},
+            r"Received: virtual_batch_size=4, synchronized=True",
+        ),
     )
     def test_rejects_in_init(self, error, kwargs, pattern):
         with self.assertRaisesRegex(error, pattern):
@@ -170,7 +196,9 @@ class GhostBatchTest(parameterized.TestCase):
             keras_bn.BatchNormalization(axis=0, virtual_batch_size=4).build((8, 3))
 
     def test_rejects_a_batch_it_does_not_divide(self):
-        with self.assertRaisesRegex(ValueError, r"virtual_batch_size=4 must divide each replica's batch of 6"):
+        with self.assertRaisesRegex(
+            ValueError, r"virtual_batch_size=4 must divide each replica's batch of 6"
+        ):
             _layer()(tf.constant(_data((8, 3), 9)[:6]), training=True)
 
 

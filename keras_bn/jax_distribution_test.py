@@ -9,11 +9,11 @@ examples, so unequal slices cannot be tested here (the tf.distribute tests
 cover them).
 """
 
+from absl.testing import absltest
+from absl.testing import parameterized
 import keras
 import numpy as np
 import pytest
-from absl.testing import absltest
-from absl.testing import parameterized
 
 import keras_bn
 from tests import jax_programs
@@ -33,9 +33,10 @@ EPSILON = 1e-3
 # Each of the 8 replicas' 8-example slice has its own mean, so local, grouped
 # and global statistics all differ.
 _RNG = np.random.RandomState(0)
-X = (_RNG.randn(BATCH, CHANNELS) * 2.0 + np.repeat(np.arange(REPLICAS) * 3.0 - 10.0, BATCH // REPLICAS)[:, None]).astype(
-    np.float32
-)
+X = (
+    _RNG.randn(BATCH, CHANNELS) * 2.0
+    + np.repeat(np.arange(REPLICAS) * 3.0 - 10.0, BATCH // REPLICAS)[:, None]
+).astype(np.float32)
 UPSTREAM = _RNG.randn(BATCH, CHANNELS).astype(np.float32)
 GAMMA = np.linspace(0.5, 1.5, CHANNELS).astype(np.float32)
 BETA = np.linspace(-1.0, 1.0, CHANNELS).astype(np.float32)
@@ -71,11 +72,12 @@ def _moving(layer, updated, name):
 
 
 class JaxDistributionTest(parameterized.TestCase):
-
     def setUp(self):
         super().setUp()
         # Fewer devices means the XLA flag came too late: fail, do not skip.
-        self.assertGreaterEqual(jax.device_count(), REPLICAS, "set XLA_FLAGS before JAX starts (conftest.py)")
+        self.assertGreaterEqual(
+            jax.device_count(), REPLICAS, "set XLA_FLAGS before JAX starts (conftest.py)"
+        )
 
     @parameterized.named_parameters(*SETTINGS)
     def test_matches_float64_reference_on_regrouped_batch(self, kwargs, slices):
@@ -84,12 +86,19 @@ class JaxDistributionTest(parameterized.TestCase):
             layer = _layer(**kwargs)
             step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
             y, ((dgamma, dbeta), dx), updated = step(
-                trainable, non_trainable, _distribute(distribution, X), _distribute(distribution, UPSTREAM)
+                trainable,
+                non_trainable,
+                _distribute(distribution, X),
+                _distribute(distribution, UPSTREAM),
             )
         expected = references.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, slices, EPSILON)
         for name, value in (("y", y), ("dx", dx), ("dgamma", dgamma), ("dbeta", dbeta)):
-            np.testing.assert_allclose(np.asarray(value, np.float64), expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
-        np.testing.assert_allclose(_moving(layer, updated, "moving_mean"), 0.5 * expected["mean"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(value, np.float64), expected[name], rtol=1e-5, atol=1e-5, err_msg=name
+            )
+        np.testing.assert_allclose(
+            _moving(layer, updated, "moving_mean"), 0.5 * expected["mean"], rtol=1e-5, atol=1e-6
+        )
         np.testing.assert_allclose(
             _moving(layer, updated, "moving_variance"), 0.5 + 0.5 * expected["variance"], rtol=1e-5
         )
@@ -104,7 +113,10 @@ class JaxDistributionTest(parameterized.TestCase):
             layer = _layer(**kwargs)
             step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
             _, _, updated = step(
-                trainable, non_trainable, _distribute(distribution, x), _distribute(distribution, UPSTREAM)
+                trainable,
+                non_trainable,
+                _distribute(distribution, x),
+                _distribute(distribution, UPSTREAM),
             )
         np.testing.assert_array_equal(_moving(layer, updated, "moving_mean"), np.zeros(CHANNELS))
         np.testing.assert_array_equal(_moving(layer, updated, "moving_variance"), np.ones(CHANNELS))
@@ -118,11 +130,16 @@ class JaxDistributionTest(parameterized.TestCase):
             layer = _layer(momentum=0.0, synchronized=True, sync_group_size=group_size)
             step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
             _, _, updated = step(
-                trainable, non_trainable, _distribute(distribution, x), _distribute(distribution, UPSTREAM)
+                trainable,
+                non_trainable,
+                _distribute(distribution, x),
+                _distribute(distribution, UPSTREAM),
             )
         slices = 1 if group_size is None else REPLICAS // group_size
         expected = references.reference_sliced_batch_norm(x, UPSTREAM, GAMMA, BETA, slices, EPSILON)
-        np.testing.assert_allclose(_moving(layer, updated, "moving_variance"), expected["variance"], rtol=1e-3)
+        np.testing.assert_allclose(
+            _moving(layer, updated, "moving_variance"), expected["variance"], rtol=1e-3
+        )
 
     def test_fit_with_synchronized_layer_matches_single_device(self):
         rng = np.random.RandomState(2)
@@ -133,32 +150,61 @@ class JaxDistributionTest(parameterized.TestCase):
         y = np.tile(np.repeat(np.arange(REPLICAS) % 3, BATCH // REPLICAS), 4)
 
         def build(synchronized=True):
-            model = keras.Sequential([
-                keras.Input((12,)),
-                keras.layers.Dense(16, use_bias=False),
-                keras_bn.BatchNormalization(synchronized=synchronized),
-                keras.layers.Activation("sigmoid"),
-                keras.layers.Dense(3),
-            ])
-            model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = keras.Sequential(
+                [
+                    keras.Input((12,)),
+                    keras.layers.Dense(16, use_bias=False),
+                    keras_bn.BatchNormalization(synchronized=synchronized),
+                    keras.layers.Activation("sigmoid"),
+                    keras.layers.Dense(3),
+                ]
+            )
+            model.compile(
+                keras.optimizers.SGD(0.5),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
             return model
 
         keras.utils.set_random_seed(0)
         single = build()
         weights = single.get_weights()
-        single_losses = single.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[jax_programs.OneStepInFlight()]).history["loss"]
+        single_losses = single.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=5,
+            shuffle=False,
+            verbose=0,
+            callbacks=[jax_programs.OneStepInFlight()],
+        ).history["loss"]
         distribution = _data_parallel()
         with distribution.scope():
             parallel = build()
             parallel.set_weights(weights)
-            parallel_losses = parallel.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[jax_programs.OneStepInFlight()]).history["loss"]
+            parallel_losses = parallel.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=5,
+                shuffle=False,
+                verbose=0,
+                callbacks=[jax_programs.OneStepInFlight()],
+            ).history["loss"]
         np.testing.assert_allclose(parallel_losses, single_losses, rtol=1e-5)
         # With each replica's own statistics the run differs (so the check
         # above can fail).
         with distribution.scope():
             local = build(synchronized=False)
             local.set_weights(weights)
-            local_losses = local.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=[jax_programs.OneStepInFlight()]).history["loss"]
+            local_losses = local.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=5,
+                shuffle=False,
+                verbose=0,
+                callbacks=[jax_programs.OneStepInFlight()],
+            ).history["loss"]
         self.assertGreater(abs(local_losses[-1] - single_losses[-1]), 1e-2 * single_losses[-1])
 
     def test_keras_layer_normalises_with_the_global_batch(self):
@@ -169,8 +215,15 @@ class JaxDistributionTest(parameterized.TestCase):
             layer = keras.layers.BatchNormalization(momentum=0.0)
             layer.build((BATCH, CHANNELS))
             step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
-            _, _, updated = step(trainable, non_trainable, _distribute(distribution, X), _distribute(distribution, UPSTREAM))
-        np.testing.assert_allclose(_moving(layer, updated, "moving_mean"), X.astype(np.float64).mean(0), rtol=1e-5)
+            _, _, updated = step(
+                trainable,
+                non_trainable,
+                _distribute(distribution, X),
+                _distribute(distribution, UPSTREAM),
+            )
+        np.testing.assert_allclose(
+            _moving(layer, updated, "moving_mean"), X.astype(np.float64).mean(0), rtol=1e-5
+        )
 
     def test_synchronized_without_distribution_is_the_whole_batch(self):
         layer = _layer(synchronized=True, sync_group_size=2)
@@ -189,7 +242,9 @@ class JaxDistributionTest(parameterized.TestCase):
         with distribution.scope():
             traffic["keras"] = jax_programs.hlo_all_reduces(_keras_hlo(x, upstream))
             for name, kwargs, _ in SETTINGS:
-                traffic[name] = jax_programs.hlo_all_reduces(jax_programs.jax_training_step_hlo(_layer(**kwargs), x, upstream))
+                traffic[name] = jax_programs.hlo_all_reduces(
+                    jax_programs.jax_training_step_hlo(_layer(**kwargs), x, upstream)
+                )
         # (How many ops XLA's combiner makes of them may vary by version;
         # the floats may not.)
         for name in ("local", "ghost"):
@@ -203,8 +258,18 @@ class JaxDistributionTest(parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("uneven_batch", {}, 60, r"must split evenly over the 8 replicas.*batch_size=60"),
-        ("group_size", {"synchronized": True, "sync_group_size": 3}, BATCH, r"sync_group_size=3 must divide the 8 replicas"),
-        ("ghost", {"virtual_batch_size": 3}, BATCH, r"virtual_batch_size=3 must divide each replica's batch of 8"),
+        (
+            "group_size",
+            {"synchronized": True, "sync_group_size": 3},
+            BATCH,
+            r"sync_group_size=3 must divide the 8 replicas",
+        ),
+        (
+            "ghost",
+            {"virtual_batch_size": 3},
+            BATCH,
+            r"virtual_batch_size=3 must divide each replica's batch of 8",
+        ),
     )
     def test_rejects(self, kwargs, batch, pattern):
         with _data_parallel().scope():

@@ -54,13 +54,9 @@ def local_moments(x, axes, weights=None):
         # The count of each statistic: per feature when the mask varies
         # across features (a mask over the feature axis), else one value.
         x_shape = ops.shape(x)
-        count_shape = [
-            x_shape[i] if i in axes else weights.shape[i] for i in range(len(x.shape))
-        ]
+        count_shape = [x_shape[i] if i in axes else weights.shape[i] for i in range(len(x.shape))]
         count = ops.sum(ops.broadcast_to(weights, count_shape), axis=axes, keepdims=True)
-        mean = ops.divide_no_nan(
-            ops.sum(x * weights, axis=axes, keepdims=True), count
-        )
+        mean = ops.divide_no_nan(ops.sum(x * weights, axis=axes, keepdims=True), count)
         m2 = ops.sum(ops.square(x - mean) * weights, axis=axes, keepdims=True)
     return count, mean, m2
 
@@ -179,9 +175,7 @@ class ReplicaGroups:
         m2s = rows[:, count_size + channels :]
         total = ops.sum(counts, axis=0)
         global_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
-        global_m2 = ops.sum(m2s, axis=0) + ops.sum(
-            counts * ops.square(means - global_mean), axis=0
-        )
+        global_m2 = ops.sum(m2s, axis=0) + ops.sum(counts * ops.square(means - global_mean), axis=0)
         return (
             ops.reshape(total, ops.shape(count)),
             ops.reshape(global_mean, shape),

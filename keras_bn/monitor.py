@@ -20,7 +20,8 @@ class BatchNormMonitor(keras.callbacks.Callback):
     and once more at the end of training if the last step was not logged
     (at the first batch end at or past each multiple, so also with
     `steps_per_execution` > 1; Keras' per-batch hook dispatch is then paid
-    once per execution instead of once per step) the monitor runs the model in inference mode on a fixed `probe_data`
+    once per execution instead of once per step) the monitor runs the model in
+    inference mode on a fixed `probe_data`
     batch, takes each keras_bn layer's input there, and logs:
 
     - `<layer>/train_inference_gap`: RMS(y_train − y_infer) / std(y_train),
@@ -118,7 +119,9 @@ class BatchNormMonitor(keras.callbacks.Callback):
         # optimizer's count (read once per epoch) also corrects the Python
         # count where an epoch's length was unknown.
         with self._lock:
-            self._epoch_start = self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            self._epoch_start = self._step = int(
+                keras.ops.convert_to_numpy(self.model.optimizer.iterations)
+            )
 
     def on_train_end(self, logs=None):
         # The final state is always logged, so every `fit` leaves a point
@@ -157,9 +160,9 @@ class BatchNormMonitor(keras.callbacks.Callback):
         milliseconds. Off the chief of a multi-worker run it does nothing, so
         every worker of a custom loop may call it.
         """
-        import tensorflow as tf
         from tensorboard.plugins.histogram import summary_v2 as histogram_summary
         from tensorboard.plugins.scalar import summary_v2 as scalar_summary
+        import tensorflow as tf
 
         if not distribution.is_chief(_strategy(model)):
             return
@@ -180,26 +183,42 @@ class BatchNormMonitor(keras.callbacks.Callback):
                 for name, value in metrics.items():
                     scalar(f"{layer.name}/{name}", value, _DESCRIPTIONS[name])
                 if skipped[layer] is not None:
-                    scalar(f"{layer.name}/skipped_updates", float(skipped[layer]),
-                           _DESCRIPTIONS["skipped_updates"])
+                    scalar(
+                        f"{layer.name}/skipped_updates",
+                        float(skipped[layer]),
+                        _DESCRIPTIONS["skipped_updates"],
+                    )
                 for name, values in weights[layer].items():
                     histogram(f"{layer.name}/{name}", values)
         else:
             gaps = np.array([metrics["train_inference_gap"] for _, metrics in results])
-            scalar("batch_norm/worst_train_inference_gap", gaps.max(),
-                   "Largest train/inference gap over all BN layers. " + _DESCRIPTIONS["train_inference_gap"])
-            scalar("batch_norm/median_train_inference_gap", float(np.median(gaps)),
-                   "Median train/inference gap over all BN layers.")
+            scalar(
+                "batch_norm/worst_train_inference_gap",
+                gaps.max(),
+                "Largest train/inference gap over all BN layers. "
+                + _DESCRIPTIONS["train_inference_gap"],
+            )
+            scalar(
+                "batch_norm/median_train_inference_gap",
+                float(np.median(gaps)),
+                "Median train/inference gap over all BN layers.",
+            )
             counts = [float(c) for c in skipped.values() if c is not None]
             if counts:
-                scalar("batch_norm/skipped_updates", sum(counts),
-                       "Sum over BN layers. " + _DESCRIPTIONS["skipped_updates"])
+                scalar(
+                    "batch_norm/skipped_updates",
+                    sum(counts),
+                    "Sum over BN layers. " + _DESCRIPTIONS["skipped_updates"],
+                )
             groups = {}
             for layer, metrics in results:
                 groups.setdefault(self.group_by(layer.name), []).append((layer, metrics))
             for group, members in groups.items():
-                scalar(f"{group}/worst_train_inference_gap", max(m["train_inference_gap"] for _, m in members),
-                       f"Largest train/inference gap of the BN layers of {group}.")
+                scalar(
+                    f"{group}/worst_train_inference_gap",
+                    max(m["train_inference_gap"] for _, m in members),
+                    f"Largest train/inference gap of the BN layers of {group}.",
+                )
                 stacked = {}
                 for layer, _ in members:
                     for name, values in weights[layer].items():
@@ -222,14 +241,22 @@ class BatchNormMonitor(keras.callbacks.Callback):
         """
         layers = population.batch_norm_layers(model)
         if not layers:
-            raise ValueError(f"The model has no keras_bn.BatchNormalization layer. Received: model={model.name}")
+            raise ValueError(
+                f"The model has no keras_bn.BatchNormalization layer. Received: model={model.name}"
+            )
         if self._probe_for is not model:
             self._probe = _compile_probe(model, layers)
             self._probe_for = model
         moments, weights = self._probe(self.probe_data)
         return [
-            (layer, (np.asarray(mean).ravel(), np.asarray(variance).ravel(),
-                     {k: np.asarray(v) for k, v in w.items()}))
+            (
+                layer,
+                (
+                    np.asarray(mean).ravel(),
+                    np.asarray(variance).ravel(),
+                    {k: np.asarray(v) for k, v in w.items()},
+                ),
+            )
             for layer, (mean, variance), w in zip(layers, moments, weights)
         ]
 
@@ -262,14 +289,20 @@ def _compile_probe(model, layers):
             "graph, which needs a Sequential or functional model whose keras_bn layers "
             f"are called once. Received: model={type(model).__name__} ({error})"
         ) from error
-    axes = [[i for i in range(len(layer.input.shape)) if i not in layer.feature_axes] for layer in layers]
+    axes = [
+        [i for i in range(len(layer.input.shape)) if i not in layer.feature_axes]
+        for layer in layers
+    ]
 
     def probe_pass(data):
         outputs = probe(data, training=False)
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         moments = [tf.nn.moments(tf.cast(x, tf.float64), a) for x, a in zip(outputs, axes)]
         weights = [
-            {name: tf.identity(keras.ops.convert_to_tensor(v)) for name, v in _weight_variables(layer).items()}
+            {
+                name: tf.identity(keras.ops.convert_to_tensor(v))
+                for name, v in _weight_variables(layer).items()
+            }
             for layer in layers
         ]
         return moments, weights
@@ -288,7 +321,8 @@ def _compile_probe(model, layers):
 
 _DESCRIPTIONS = {
     "train_inference_gap": (
-        "RMS of (training-mode output − inference-mode output) over the fixed probe batch, in units "
+        "RMS of (training-mode output − inference-mode output) over the fixed probe batch, "
+        "in units "
         "of the training-mode output's standard deviation: 0 when the moving statistics match the "
         "batch, about 1 when they are unrelated."
     ),
@@ -296,7 +330,9 @@ _DESCRIPTIONS = {
         "Training batches whose non-finite statistics the layer kept out of its moving statistics."
     ),
     "mean_drift": "RMS over features of (batch mean − moving mean) / batch std on the probe batch.",
-    "variance_drift": "RMS over features of ln((moving variance + ε) / (batch variance + ε)) on the probe batch.",
+    "variance_drift": (
+        "RMS over features of ln((moving variance + ε) / (batch variance + ε)) on the probe batch."
+    ),
 }
 
 
@@ -334,5 +370,7 @@ def _layer_health(layer, mean, variance, weights):
     return {
         "train_inference_gap": float(gap),
         "mean_drift": float(np.sqrt(np.mean(((mean - moving_mean) / batch_std) ** 2))),
-        "variance_drift": float(np.sqrt(np.mean(np.log((moving_variance + eps) / (variance + eps)) ** 2))),
+        "variance_drift": float(
+            np.sqrt(np.mean(np.log((moving_variance + eps) / (variance + eps)) ** 2))
+        ),
     }

@@ -15,15 +15,19 @@ from tests import tensorboard_events
 
 
 def _model(synchronized=False):
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(5, use_bias=False, name="hidden"),
-        keras_bn.BatchNormalization(synchronized=synchronized, name="bn_a"),
-        keras.layers.ReLU(),
-        keras.layers.Dense(4, use_bias=False),
-        keras_bn.BatchNormalization(axis=-1, momentum=0.5, synchronized=synchronized, name="bn_b"),
-        keras.layers.Dense(1),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(5, use_bias=False, name="hidden"),
+            keras_bn.BatchNormalization(synchronized=synchronized, name="bn_a"),
+            keras.layers.ReLU(),
+            keras.layers.Dense(4, use_bias=False),
+            keras_bn.BatchNormalization(
+                axis=-1, momentum=0.5, synchronized=synchronized, name="bn_b"
+            ),
+            keras.layers.Dense(1),
+        ]
+    )
 
 
 def _compiled_model(steps_per_execution=1, synchronized=False):
@@ -39,7 +43,6 @@ def _data(n=64, seed=0):
 
 
 class MonitorTest(parameterized.TestCase):
-
     def test_fit_logs_every_layer_every_n_steps(self):
         log_dir, (x, y), model = tempfile.mkdtemp(), _data(), _compiled_model()
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:32], every_n_steps=2)
@@ -47,7 +50,9 @@ class MonitorTest(parameterized.TestCase):
         tags = tensorboard_events.read_events(log_dir)
         for layer in ("bn_a", "bn_b"):
             for name in ("train_inference_gap", "mean_drift", "variance_drift"):
-                self.assertEqual([s for s, _ in tags[f"{layer}/{name}"]], [2, 4, 6, 8], (layer, name))
+                self.assertEqual(
+                    [s for s, _ in tags[f"{layer}/{name}"]], [2, 4, 6, 8], (layer, name)
+                )
                 self.assertTrue(all(np.isfinite(v) and v >= 0 for _, v in tags[f"{layer}/{name}"]))
             for name in ("moving_mean", "moving_variance", "gamma", "beta"):
                 self.assertLen(tags[f"{layer}/{name}"], 4, (layer, name))
@@ -60,7 +65,9 @@ class MonitorTest(parameterized.TestCase):
         log_dir, (x, y) = tempfile.mkdtemp(), _data()
         model = _compiled_model(steps_per_execution=3)
         monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=4)
-        model.fit(x, y, batch_size=4, epochs=1, callbacks=[monitor], verbose=0)  # 16 steps, hooks at 3, 6, ...
+        model.fit(
+            x, y, batch_size=4, epochs=1, callbacks=[monitor], verbose=0
+        )  # 16 steps, hooks at 3, 6, ...
         tags = tensorboard_events.read_events(log_dir)
         self.assertEqual([s for s, _ in tags["bn_a/train_inference_gap"]], [6, 9, 12, 16])
 
@@ -85,8 +92,9 @@ class MonitorTest(parameterized.TestCase):
         grouped_dir = tempfile.mkdtemp()
         grouped = keras_bn.BatchNormMonitor(grouped_dir, x[:16], group_by=lambda name: "all")
         model.fit(x, y, batch_size=8, epochs=1, callbacks=[grouped], verbose=0)
-        self.assertEqual(tensorboard_events.read_events(grouped_dir)["batch_norm/skipped_updates"],
-                         [(12, 1.0)])
+        self.assertEqual(
+            tensorboard_events.read_events(grouped_dir)["batch_norm/skipped_updates"], [(12, 1.0)]
+        )
 
     def test_without_tensorflow_names_what_to_install(self):
         with mock.patch.dict(sys.modules, {"tensorflow": None}):
@@ -110,11 +118,19 @@ class MonitorTest(parameterized.TestCase):
         y_train = gamma * (h - mean) / np.sqrt(var + 1e-3) + beta
         y_infer = gamma * (h - mm) / np.sqrt(mv + 1e-3) + beta
         np.testing.assert_allclose(
-            health["train_inference_gap"], np.sqrt(np.mean((y_train - y_infer) ** 2)) / y_train.std(), rtol=1e-6
+            health["train_inference_gap"],
+            np.sqrt(np.mean((y_train - y_infer) ** 2)) / y_train.std(),
+            rtol=1e-6,
         )
-        np.testing.assert_allclose(health["mean_drift"], np.sqrt(np.mean(((mean - mm) / np.sqrt(var + 1e-3)) ** 2)), rtol=1e-6)
         np.testing.assert_allclose(
-            health["variance_drift"], np.sqrt(np.mean(np.log((mv + 1e-3) / (var + 1e-3)) ** 2)), rtol=1e-6
+            health["mean_drift"],
+            np.sqrt(np.mean(((mean - mm) / np.sqrt(var + 1e-3)) ** 2)),
+            rtol=1e-6,
+        )
+        np.testing.assert_allclose(
+            health["variance_drift"],
+            np.sqrt(np.mean(np.log((mv + 1e-3) / (var + 1e-3)) ** 2)),
+            rtol=1e-6,
         )
         # Moving statistics equal to the probe batch's: no gap, no drift.
         bn.moving_mean.assign(mean.astype(np.float32))
@@ -125,16 +141,28 @@ class MonitorTest(parameterized.TestCase):
 
     def test_grouped_aggregates(self):
         log_dir, (x, y), model = tempfile.mkdtemp(), _data(), _compiled_model()
-        monitor = keras_bn.BatchNormMonitor(log_dir, x[:16], every_n_steps=4, group_by=lambda name: "stage_" + name[-1])
+        monitor = keras_bn.BatchNormMonitor(
+            log_dir, x[:16], every_n_steps=4, group_by=lambda name: "stage_" + name[-1]
+        )
         model.fit(x, y, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)
         tags = tensorboard_events.read_events(log_dir)
-        for tag in ("batch_norm/worst_train_inference_gap", "batch_norm/median_train_inference_gap",
-                    "stage_a/worst_train_inference_gap", "stage_b/worst_train_inference_gap",
-                    "stage_a/moving_mean", "stage_b/gamma"):
+        for tag in (
+            "batch_norm/worst_train_inference_gap",
+            "batch_norm/median_train_inference_gap",
+            "stage_a/worst_train_inference_gap",
+            "stage_b/worst_train_inference_gap",
+            "stage_a/moving_mean",
+            "stage_b/gamma",
+        ):
             self.assertLen(tags[tag], 2, tag)
         worst = tags["batch_norm/worst_train_inference_gap"][-1][1]
-        self.assertEqual(worst, max(tags["stage_a/worst_train_inference_gap"][-1][1],
-                                    tags["stage_b/worst_train_inference_gap"][-1][1]))
+        self.assertEqual(
+            worst,
+            max(
+                tags["stage_a/worst_train_inference_gap"][-1][1],
+                tags["stage_b/worst_train_inference_gap"][-1][1],
+            ),
+        )
         self.assertNotIn("bn_a/train_inference_gap", tags)
 
     def test_multi_steps_epochs_continue_the_count(self):
@@ -160,7 +188,9 @@ class MonitorTest(parameterized.TestCase):
         # the same weights in a model outside the strategy give the same health.
         plain = _model()
         plain.set_weights(model.get_weights())
-        expected = {layer.name: m for layer, m in keras_bn.BatchNormMonitor(None, x[:32]).health(plain)}
+        expected = {
+            layer.name: m for layer, m in keras_bn.BatchNormMonitor(None, x[:32]).health(plain)
+        }
         for layer, metrics in monitor.health(model):
             for name, value in metrics.items():
                 self.assertAlmostEqual(value, expected[layer.name][name], places=5)
@@ -187,7 +217,9 @@ class MonitorTest(parameterized.TestCase):
 
         net = Net()
         net(np.ones((2, 6), np.float32))
-        with self.assertRaisesRegex(ValueError, r"needs a Sequential or functional model.*Received: model=Net"):
+        with self.assertRaisesRegex(
+            ValueError, r"needs a Sequential or functional model.*Received: model=Net"
+        ):
             keras_bn.BatchNormMonitor(None, np.ones((2, 6))).health(net)
 
 

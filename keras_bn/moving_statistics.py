@@ -7,7 +7,6 @@ population averages with the same rule.
 """
 
 import dataclasses
-from typing import Optional
 
 from keras import ops
 
@@ -30,10 +29,10 @@ class Rule:
             (TensorFlow's `ExponentialMovingAverage(num_updates=t)` rule).
     """
 
-    momentum: Optional[float]
+    momentum: float | None
     unbiased_variance: bool
     epsilon: float
-    renorm_momentum: Optional[float] = None
+    renorm_momentum: float | None = None
     skip_nonfinite: bool = False
     momentum_warmup: bool = False
 

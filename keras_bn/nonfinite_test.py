@@ -17,8 +17,15 @@ import tensorflow as tf  # noqa: E402
 import keras_bn  # noqa: E402
 from tests import sync_fixtures  # noqa: E402
 
-STATISTICS = ("moving_mean", "moving_variance", "moving_batches", "moving_stddev",
-              "renorm_mean", "renorm_stddev", "num_updates")
+STATISTICS = (
+    "moving_mean",
+    "moving_variance",
+    "moving_batches",
+    "moving_stddev",
+    "renorm_mean",
+    "renorm_stddev",
+    "num_updates",
+)
 
 
 def _state(layer):
@@ -31,7 +38,6 @@ def _batches(seed=0, n=3, shape=(8, 4, 3)):
 
 
 class NonFiniteTest(parameterized.TestCase):
-
     @parameterized.named_parameters(
         ("ema", {}),
         ("cumulative", {"momentum": None}),
@@ -87,13 +93,19 @@ class NonFiniteTest(parameterized.TestCase):
         results = {}
         keras.mixed_precision.set_global_policy("mixed_float16")
         try:
-            for name, norm in (("keras", keras.layers.BatchNormalization),
-                               ("keras_bn", keras_bn.BatchNormalization)):
+            for name, norm in (
+                ("keras", keras.layers.BatchNormalization),
+                ("keras_bn", keras_bn.BatchNormalization),
+            ):
                 keras.utils.set_random_seed(1)
-                model = keras.Sequential([
-                    keras.Input((8,)), keras.layers.Dense(16), norm(name="bn"),
-                    keras.layers.Dense(1, dtype="float32"),
-                ])
+                model = keras.Sequential(
+                    [
+                        keras.Input((8,)),
+                        keras.layers.Dense(16),
+                        norm(name="bn"),
+                        keras.layers.Dense(1, dtype="float32"),
+                    ]
+                )
                 model.compile(keras.optimizers.SGD(0.01), "mse")
                 self.assertIsInstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
                 fit = {"batch_size": 32, "epochs": 1, "verbose": 0, "shuffle": False}
@@ -131,14 +143,17 @@ class NonFiniteTest(parameterized.TestCase):
         )
         strategy.run(tf.function(lambda x: layer(x, training=True)), args=(values,))
         for name in ("moving_mean", "moving_variance", "skipped_updates"):
-            copies = [np.array(v) for v in strategy.experimental_local_results(getattr(layer, name).value)]
+            copies = [
+                np.array(v) for v in strategy.experimental_local_results(getattr(layer, name).value)
+            ]
             expected = {"moving_mean": 0.0, "moving_variance": 1.0, "skipped_updates": 1.0}[name]
             for replica, copy in enumerate(copies):
-                np.testing.assert_array_equal(copy, np.full_like(copy, expected), err_msg=f"{name} {replica}")
+                np.testing.assert_array_equal(
+                    copy, np.full_like(copy, expected), err_msg=f"{name} {replica}"
+                )
 
 
 class WarmupTest(parameterized.TestCase):
-
     def test_moving_mean_follows_the_data_after_ten_steps(self):
         rng = np.random.RandomState(0)
         data_mean = np.array([5.0, -3.0, 10.0])

@@ -94,8 +94,12 @@ def normalize_with_batch_statistics(
             # The statistics' own cotangents are zero: their dependence on x
             # is already in dx.
             return (
-                dx, _sum_to_shape(sum_dy_xhat, gamma.shape), _sum_to_shape(sum_dy, beta.shape),
-                ops.zeros_like(mean), ops.zeros_like(variance), ops.zeros_like(count),
+                dx,
+                _sum_to_shape(sum_dy_xhat, gamma.shape),
+                _sum_to_shape(sum_dy, beta.shape),
+                ops.zeros_like(mean),
+                ops.zeros_like(variance),
+                ops.zeros_like(count),
             )
 
         return y, grad

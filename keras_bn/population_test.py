@@ -21,7 +21,6 @@ def _model(unbiased):
 
 
 class PopulationTest(parameterized.TestCase):
-
     @parameterized.named_parameters(("biased", False), ("unbiased", True))
     def test_count_weighted_average_of_batch_statistics(self, unbiased):
         keras.utils.set_random_seed(1)
@@ -73,7 +72,9 @@ class PopulationTest(parameterized.TestCase):
 
     def test_rejects_model_without_layers(self):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        with self.assertRaisesRegex(ValueError, r"no trainable keras_bn.BatchNormalization.*Received: model="):
+        with self.assertRaisesRegex(
+            ValueError, r"no trainable keras_bn.BatchNormalization.*Received: model="
+        ):
             keras_bn.estimate_population_statistics(model, [np.ones((2, 3))], num_batches=1)
 
     def test_rejects_empty_dataset(self):

@@ -60,7 +60,6 @@ def _run_layer(layer, x, upstream, mask):
 
 
 class RenormTest(parameterized.TestCase):
-
     @parameterized.named_parameters(
         ("no_clipping", {}, False),
         ("clipping_engaged", {"rmax": 1.5, "rmin": 0.8, "dmax": 0.3}, False),
@@ -69,8 +68,12 @@ class RenormTest(parameterized.TestCase):
     def test_matches_reference_over_steps(self, clipping, masked):
         rng = np.random.RandomState(0)
         layer = BatchNormalization(
-            momentum=0.8, renorm=True, renorm_momentum=0.6, renorm_clipping=clipping or None,
-            epsilon=EPSILON, dtype="float64",
+            momentum=0.8,
+            renorm=True,
+            renorm_momentum=0.6,
+            renorm_clipping=clipping or None,
+            epsilon=EPSILON,
+            dtype="float64",
         )
         layer.build((None, 5, 3))
         gamma, beta = rng.rand(3) + 0.5, rng.randn(3)
@@ -82,17 +85,34 @@ class RenormTest(parameterized.TestCase):
             # Batches far from N(0, 1) so r and d leave the clipping range.
             x = rng.randn(6, 5, 3) * (3.0 + step) + 2.0 * step
             mask = rng.rand(6, 5) > 0.3 if masked else None
-            w = np.ones_like(x) if mask is None else np.broadcast_to(mask[..., None], x.shape).astype(float)
+            w = (
+                np.ones_like(x)
+                if mask is None
+                else np.broadcast_to(mask[..., None], x.shape).astype(float)
+            )
             upstream = rng.randn(*x.shape)
             expected_y, expected_dx = reference.step(x, w, upstream, gamma, beta, (0, 1))
             y, dx = _run_layer(layer, x, upstream, mask)
             if mask is not None:  # Masked positions are normalised but not compared.
                 y, expected_y = y * w, expected_y * w
-            np.testing.assert_allclose(y, expected_y, rtol=1e-9, atol=1e-9, err_msg=f"y step {step}")
-            np.testing.assert_allclose(dx, expected_dx, rtol=1e-8, atol=1e-9, err_msg=f"dx step {step}")
-            for name in ("moving_mean", "moving_stddev", "moving_variance", "renorm_mean", "renorm_stddev"):
+            np.testing.assert_allclose(
+                y, expected_y, rtol=1e-9, atol=1e-9, err_msg=f"y step {step}"
+            )
+            np.testing.assert_allclose(
+                dx, expected_dx, rtol=1e-8, atol=1e-9, err_msg=f"dx step {step}"
+            )
+            for name in (
+                "moving_mean",
+                "moving_stddev",
+                "moving_variance",
+                "renorm_mean",
+                "renorm_stddev",
+            ):
                 np.testing.assert_allclose(
-                    np.asarray(getattr(layer, name)), getattr(reference, name), rtol=1e-9, atol=1e-12,
+                    np.asarray(getattr(layer, name)),
+                    getattr(reference, name),
+                    rtol=1e-9,
+                    atol=1e-12,
                     err_msg=f"{name} step {step}",
                 )
             stddev = np.sqrt(x.var((0, 1)) + EPSILON)
@@ -125,14 +145,54 @@ class RenormTest(parameterized.TestCase):
         np.testing.assert_array_equal(plain(x, training=False), renorm(x, training=False))
 
     @parameterized.named_parameters(
-        ("keys", {"renorm": True, "renorm_clipping": {"rmx": 1.0}}, ValueError, r"invalid keys.*Received: renorm_clipping="),
-        ("order", {"renorm": True, "renorm_clipping": {"rmax": 0.5, "rmin": 1.0}}, ValueError, r"rmax should be.*Received: renorm_clipping="),
-        ("dmax", {"renorm": True, "renorm_clipping": {"dmax": -1.0}}, ValueError, r"dmax should be non-negative.*Received: renorm_clipping="),
-        ("value_type", {"renorm": True, "renorm_clipping": {"rmax": "2"}}, TypeError, r"renorm_clipping\['rmax'\].*Received: renorm_clipping="),
-        ("dict_type", {"renorm": True, "renorm_clipping": [1.0]}, TypeError, r"to be a dict.*Received: renorm_clipping=\[1.0\]"),
-        ("without_renorm", {"renorm_clipping": {"rmax": 2.0}}, ValueError, r"only applies with renorm=True"),
-        ("momentum_range", {"renorm": True, "renorm_momentum": 1.0}, ValueError, r"Received: renorm_momentum=1.0"),
-        ("momentum_none", {"renorm": True, "renorm_momentum": None}, TypeError, r"Received: renorm_momentum=None"),
+        (
+            "keys",
+            {"renorm": True, "renorm_clipping": {"rmx": 1.0}},
+            ValueError,
+            r"invalid keys.*Received: renorm_clipping=",
+        ),
+        (
+            "order",
+            {"renorm": True, "renorm_clipping": {"rmax": 0.5, "rmin": 1.0}},
+            ValueError,
+            r"rmax should be.*Received: renorm_clipping=",
+        ),
+        (
+            "dmax",
+            {"renorm": True, "renorm_clipping": {"dmax": -1.0}},
+            ValueError,
+            r"dmax should be non-negative.*Received: renorm_clipping=",
+        ),
+        (
+            "value_type",
+            {"renorm": True, "renorm_clipping": {"rmax": "2"}},
+            TypeError,
+            r"renorm_clipping\['rmax'\].*Received: renorm_clipping=",
+        ),
+        (
+            "dict_type",
+            {"renorm": True, "renorm_clipping": [1.0]},
+            TypeError,
+            r"to be a dict.*Received: renorm_clipping=\[1.0\]",
+        ),
+        (
+            "without_renorm",
+            {"renorm_clipping": {"rmax": 2.0}},
+            ValueError,
+            r"only applies with renorm=True",
+        ),
+        (
+            "momentum_range",
+            {"renorm": True, "renorm_momentum": 1.0},
+            ValueError,
+            r"Received: renorm_momentum=1.0",
+        ),
+        (
+            "momentum_none",
+            {"renorm": True, "renorm_momentum": None},
+            TypeError,
+            r"Received: renorm_momentum=None",
+        ),
         ("renorm_type", {"renorm": 1}, TypeError, r"Received: renorm=1"),
     )
     def test_constructor_rejects(self, kwargs, error, pattern):

@@ -89,7 +89,6 @@ def _data(shape, seed, loc=1.0, scale=2.0):
 
 
 class MirroredTest(parameterized.TestCase):
-
     @parameterized.named_parameters(
         ("two_equal", 2, [8, 8], (16, 5), {}),
         ("four_equal", 4, [4, 4, 4, 4], (16, 5), {}),
@@ -125,11 +124,25 @@ class MirroredTest(parameterized.TestCase):
     )
     def test_groups_match_single_device_on_each_group_batch(self, group_size, sizes):
         x, w = _data((sum(sizes), 5), 20 + group_size, loc=3.0)
-        self._check_groups(4, group_size, sizes, x, w, None, {}, dict(momentum=0.6, unbiased_variance=True))
+        self._check_groups(
+            4, group_size, sizes, x, w, None, {}, dict(momentum=0.6, unbiased_variance=True)
+        )
 
     @parameterized.named_parameters(
-        ("renorm_all", 4, None, False, {"renorm": True, "renorm_clipping": {"rmax": 1.2, "dmax": 0.2}}),
-        ("renorm_groups", 4, 2, False, {"renorm": True, "renorm_clipping": {"rmin": 0.9, "dmax": 0.1}}),
+        (
+            "renorm_all",
+            4,
+            None,
+            False,
+            {"renorm": True, "renorm_clipping": {"rmax": 1.2, "dmax": 0.2}},
+        ),
+        (
+            "renorm_groups",
+            4,
+            2,
+            False,
+            {"renorm": True, "renorm_clipping": {"rmin": 0.9, "dmax": 0.1}},
+        ),
         ("masked_channels_first_packed", 2, None, True, {}),
         ("masked_channels_first_all", 4, None, True, {}),
         ("masked_channels_first_groups", 4, 2, True, {}),
@@ -141,23 +154,46 @@ class MirroredTest(parameterized.TestCase):
         x, w = _data((sum(sizes), 3, 4), 30 + num_replicas, loc=2.0, scale=3.0)
         mask = np.random.RandomState(31).rand(sum(sizes), 3) > 0.3 if masked else None
         self._check_groups(
-            num_replicas, group_size, sizes, x, w, mask, {"axis": 1}, dict(momentum=0.5, renorm_momentum=0.7, **kwargs)
-            if kwargs.get("renorm") else dict(momentum=0.5, **kwargs),
+            num_replicas,
+            group_size,
+            sizes,
+            x,
+            w,
+            mask,
+            {"axis": 1},
+            dict(momentum=0.5, renorm_momentum=0.7, **kwargs)
+            if kwargs.get("renorm")
+            else dict(momentum=0.5, **kwargs),
         )
 
     def _check_groups(self, num_replicas, group_size, sizes, x, w, mask, shape_kwargs, kwargs):
         """Each group's replicas equal one device on the group's batch."""
         _, layer, actual = _mirrored(
-            num_replicas, sizes, shape_kwargs, x, w, steps=2, mask=mask, sync_group_size=group_size, **kwargs
+            num_replicas,
+            sizes,
+            shape_kwargs,
+            x,
+            w,
+            steps=2,
+            mask=mask,
+            sync_group_size=group_size,
+            **kwargs,
         )
         k = group_size or num_replicas
         bounds = np.cumsum([0] + sizes)
         expected = [[], [], 0.0, 0.0]
-        statistics = {name: [] for name in ("moving_mean", "moving_variance", "renorm_mean", "renorm_stddev")}
+        statistics = {
+            name: [] for name in ("moving_mean", "moving_variance", "renorm_mean", "renorm_stddev")
+        }
         for g in range(num_replicas // k):
             lo, hi = bounds[g * k], bounds[(g + 1) * k]
             reference, (y, dx, dgamma, dbeta) = _single_device(
-                shape_kwargs, x[lo:hi], w[lo:hi], steps=2, mask=None if mask is None else mask[lo:hi], **kwargs
+                shape_kwargs,
+                x[lo:hi],
+                w[lo:hi],
+                steps=2,
+                mask=None if mask is None else mask[lo:hi],
+                **kwargs,
             )
             expected[0].append(y)
             expected[1].append(dx)
@@ -171,8 +207,12 @@ class MirroredTest(parameterized.TestCase):
             np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
         for name, refs in statistics.items():
             if refs:
-                for replica, (copy, ref) in enumerate(zip(_replica_copies(getattr(layer, name)), refs)):
-                    np.testing.assert_allclose(copy, ref, rtol=1e-5, atol=1e-6, err_msg=f"{name} replica {replica}")
+                for replica, (copy, ref) in enumerate(
+                    zip(_replica_copies(getattr(layer, name)), refs)
+                ):
+                    np.testing.assert_allclose(
+                        copy, ref, rtol=1e-5, atol=1e-6, err_msg=f"{name} replica {replica}"
+                    )
 
     def test_group_size_must_divide_replica_count(self):
         x, w = _data((8, 3), 21)
@@ -188,7 +228,9 @@ class MirroredTest(parameterized.TestCase):
         # what that means for it.
         class NestedFunctionContext(sync_fixtures.CountingReplicaContext):
             def all_reduce(self, reduce_op, value):
-                raise RuntimeError("`merge_call` called while defining a new graph or a tf.function.")
+                raise RuntimeError(
+                    "`merge_call` called while defining a new graph or a tf.function."
+                )
 
         layer = BatchNormalization(synchronized=True)
         layer.build((4, 3))
@@ -210,7 +252,9 @@ class MirroredTest(parameterized.TestCase):
             keras.mixed_precision.set_global_policy("float32")
         self.assertEqual(y.dtype, tf.bfloat16.as_numpy_dtype)
         x_low = tf.cast(tf.cast(x, tf.bfloat16), tf.float32).numpy().astype(np.float64)
-        np.testing.assert_allclose(_replica_copies(layer.moving_mean)[1], x_low.mean((0, 1)), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            _replica_copies(layer.moving_mean)[1], x_low.mean((0, 1)), rtol=1e-5, atol=1e-6
+        )
 
     @parameterized.named_parameters(
         ("packed_two", 2, [40, 24], None),
@@ -221,7 +265,9 @@ class MirroredTest(parameterized.TestCase):
         rng = np.random.RandomState(7)
         x = (1e4 + rng.randn(64, 8)).astype(np.float32)
         w = np.zeros_like(x)
-        _, layer, _ = _mirrored(num_replicas, sizes, {}, x, w, steps=1, momentum=0.0, sync_group_size=group_size)
+        _, layer, _ = _mirrored(
+            num_replicas, sizes, {}, x, w, steps=1, momentum=0.0, sync_group_size=group_size
+        )
         copies = _replica_copies(layer.moving_variance)
         bounds = np.cumsum([0] + sizes)
         k = group_size or num_replicas
@@ -238,7 +284,10 @@ class MirroredTest(parameterized.TestCase):
             restored = BatchNormalization(synchronized=True, momentum=0.5)
             restored.build((None, 4))
         tf.train.Checkpoint(layer=restored).restore(path).assert_existing_objects_matched()
-        for a, b in ((layer.moving_mean, restored.moving_mean), (layer.moving_variance, restored.moving_variance)):
+        for a, b in (
+            (layer.moving_mean, restored.moving_mean),
+            (layer.moving_variance, restored.moving_variance),
+        ):
             for copy in _replica_copies(b):
                 np.testing.assert_array_equal(copy, _replica_copies(a)[0])
 
@@ -249,7 +298,9 @@ class MirroredTest(parameterized.TestCase):
         actual = _layer_step(layer)(tf.constant(x), tf.constant(w))
         for a, e in zip(actual, expected):
             np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
-        with sync_fixtures.mirrored_cpu_strategy(2).scope():  # Cross-replica context: local moments.
+        with sync_fixtures.mirrored_cpu_strategy(
+            2
+        ).scope():  # Cross-replica context: local moments.
             layer = BatchNormalization(synchronized=True)
             np.testing.assert_allclose(layer(x, training=True), expected[0], rtol=1e-6, atol=1e-6)
 
@@ -258,14 +309,16 @@ class MirroredTest(parameterized.TestCase):
         x, _ = _data((8, 6, 6, 3), 10)
         y = np.random.RandomState(11).randint(0, 4, size=8)
         with strategy.scope():
-            model = keras.Sequential([
-                keras.Input((6, 6, 3)),
-                keras.layers.Conv2D(4, 3, use_bias=False),
-                BatchNormalization(synchronized=True),
-                keras.layers.ReLU(),
-                keras.layers.GlobalAveragePooling2D(),
-                keras.layers.Dense(4),
-            ])
+            model = keras.Sequential(
+                [
+                    keras.Input((6, 6, 3)),
+                    keras.layers.Conv2D(4, 3, use_bias=False),
+                    BatchNormalization(synchronized=True),
+                    keras.layers.ReLU(),
+                    keras.layers.GlobalAveragePooling2D(),
+                    keras.layers.Dense(4),
+                ]
+            )
             model.compile(
                 optimizer=keras.optimizers.SGD(0.1),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -285,9 +338,14 @@ class XlaTest(parameterized.TestCase):
         ("conv_two_pass", (4, 5, 5, 3), (0, 1, 2), 8, None, 3),
         ("conv_groups", (4, 5, 5, 3), (0, 1, 2), 8, 4, 3),
     )
-    def test_sync_path_compiles_and_matches_local(self, shape, axes, replicas, group_size, collectives):
+    def test_sync_path_compiles_and_matches_local(
+        self, shape, axes, replicas, group_size, collectives
+    ):
         x, w = _data(shape, 12)
-        gamma = tf.constant(np.random.RandomState(13).rand(*([1] * (len(shape) - 1) + [shape[-1]])) + 0.5, tf.float32)
+        gamma = tf.constant(
+            np.random.RandomState(13).rand(*([1] * (len(shape) - 1) + [shape[-1]])) + 0.5,
+            tf.float32,
+        )
         beta = tf.zeros_like(gamma)
 
         def run(groups):
@@ -297,7 +355,15 @@ class XlaTest(parameterized.TestCase):
                     tape.watch([x, gamma, beta])
                     count, mean, variance = normalize.batch_moments(x, axes, groups=groups)
                     y = normalize.normalize_with_batch_statistics(
-                        x, gamma, beta, mean, variance, count, axes=axes, epsilon=1e-3, groups=groups
+                        x,
+                        gamma,
+                        beta,
+                        mean,
+                        variance,
+                        count,
+                        axes=axes,
+                        epsilon=1e-3,
+                        groups=groups,
                     )
                     loss = tf.reduce_sum(y * w)
                 return [y, mean, variance, count] + tape.gradient(loss, [x, gamma, beta])

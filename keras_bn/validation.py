@@ -107,7 +107,8 @@ def renorm_clipping(clipping, renorm):
         )
     if clipping.get("dmax", 0.0) < 0.0:
         raise ValueError(
-            f"dmax should be non-negative in `renorm_clipping`. Received: renorm_clipping={clipping!r}"
+            "dmax should be non-negative in `renorm_clipping`. "
+            f"Received: renorm_clipping={clipping!r}"
         )
     return clipping
 

@@ -21,7 +21,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(
-    r"(?:<!--\s*docs-test:\s*(?P<marker>[^>]*?)\s*-->\s*\n)?^```python[ \t]*\n(?P<code>.*?)^```[ \t]*$",
+    r"(?:<!--\s*docs-test:\s*(?P<marker>[^>]*?)\s*-->\s*\n)?"
+    r"^```python[ \t]*\n(?P<code>.*?)^```[ \t]*$",
     re.MULTILINE | re.DOTALL,
 )
 
@@ -32,7 +33,10 @@ def _blocks():
         for match in _BLOCK.finditer(text):
             line = text.count("\n", 0, match.start("code")) + 1
             yield pytest.param(
-                path, line, match.group("code"), match.group("marker") or "",
+                path,
+                line,
+                match.group("code"),
+                match.group("marker") or "",
                 id=f"{path.relative_to(ROOT)}:{line}",
             )
 
@@ -52,7 +56,7 @@ def test_examples_are_found():
 @pytest.mark.parametrize("path,line,code,marker", BLOCKS)
 def test_example_runs(path, line, code, marker, tmp_path, monkeypatch):
     if marker.startswith("skip"):
-        reason = marker[len("skip"):].strip(" :")
+        reason = marker[len("skip") :].strip(" :")
         assert reason, f"{path}:{line}: a skipped example must say why"
         pytest.skip(reason)
     monkeypatch.chdir(tmp_path)  # examples that write files write them here

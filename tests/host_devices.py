@@ -15,4 +15,3 @@ def emulate_host_devices(num_devices):
     flags = os.environ.get("XLA_FLAGS", "")
     if _HOST_DEVICE_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICE_FLAG}={num_devices}".strip()
-

@@ -22,8 +22,14 @@ _STD = np.array((0.229, 0.224, 0.225))
 
 def _dataset(split, num_examples=24, **overrides):
     kwargs = dict(
-        split=split, data_dir=tempfile.mkdtemp(), batch_size=4, image_size=48, distortion=1.0,
-        thorough_shuffle=False, seed=0, use_fake_data=False,
+        split=split,
+        data_dir=tempfile.mkdtemp(),
+        batch_size=4,
+        image_size=48,
+        distortion=1.0,
+        thorough_shuffle=False,
+        seed=0,
+        use_fake_data=False,
     )
     kwargs.update(overrides)
     with tfds.testing.mock_data(num_examples=num_examples):
@@ -32,12 +38,13 @@ def _dataset(split, num_examples=24, **overrides):
 
 def _raw(split, num_examples=24):
     with tfds.testing.mock_data(num_examples=num_examples):
-        dataset = tfds.load("imagenet2012", split=split, as_supervised=True, data_dir=tempfile.mkdtemp())
+        dataset = tfds.load(
+            "imagenet2012", split=split, as_supervised=True, data_dir=tempfile.mkdtemp()
+        )
         return [(image.numpy(), int(label)) for image, label in dataset]
 
 
 class ImagenetInputTest(parameterized.TestCase):
-
     @parameterized.parameters(*inception_recipes.RECIPES)
     def test_train_batches_per_variant(self, variant):
         recipe = inception_recipes.RECIPES[variant]
@@ -48,7 +55,9 @@ class ImagenetInputTest(parameterized.TestCase):
         self.assertEqual(images.shape, (4, 48, 48, 3))
         self.assertEqual(images.dtype, tf.float32)
         self.assertEqual(labels.dtype, tf.int64)
-        self.assertTrue(np.all((labels.numpy() >= 0) & (labels.numpy() < imagenet_data.NUM_CLASSES)))
+        self.assertTrue(
+            np.all((labels.numpy() >= 0) & (labels.numpy() < imagenet_data.NUM_CLASSES))
+        )
         # Standardised [0, 1] pixels: within the range the mean/std map [0, 1] to.
         pixels = images.numpy() * _STD + _MEAN
         self.assertGreaterEqual(pixels.min(), -1e-5)
@@ -81,7 +90,12 @@ class ImagenetInputTest(parameterized.TestCase):
 
     def test_within_shard_shuffling_changes_the_order(self):
         order = lambda thorough: np.concatenate(
-            [labels.numpy() for _, labels in _dataset("train", num_examples=1200, thorough_shuffle=thorough).take(8)]
+            [
+                labels.numpy()
+                for _, labels in _dataset(
+                    "train", num_examples=1200, thorough_shuffle=thorough
+                ).take(8)
+            ]
         )
         standard, thorough = order(False), order(True)
         self.assertEqual(standard.shape, (32,))

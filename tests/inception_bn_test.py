@@ -83,14 +83,14 @@ class ModelTest(parameterized.TestCase):
         self.assertEqual(tuple(model.output.shape), (None, 1000))
         self.assertEqual(model.count_params(), params)
         concat = {
-            l.name: tuple(l.output.shape[1:]) for l in model.layers if l.name.endswith("_concat")
+            x.name: tuple(x.output.shape[1:]) for x in model.layers if x.name.endswith("_concat")
         }
         self.assertEqual(concat["inception_3a_concat"], (28, 28, 256))
         self.assertEqual(concat["inception_3c_concat"], (14, 14, 576))
         self.assertEqual(concat["inception_4d_concat"], (14, 14, 608))
         self.assertEqual(concat["inception_4e_concat"], (7, 7, 1056))
         self.assertEqual(concat["inception_5b_concat"], (7, 7, 1024))
-        bns = [l for l in model.layers if isinstance(l, keras_bn.BatchNormalization)]
+        bns = [x for x in model.layers if isinstance(x, keras_bn.BatchNormalization)]
         self.assertLen(bns, 69 if batch_norm else 0)
 
     def test_bn_precedes_every_nonlinearity_without_bias(self):

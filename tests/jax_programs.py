@@ -43,7 +43,9 @@ def make_jax_training_step(layer):
             y, updated = layer.stateless_call(trainable, non_trainable, x, training=True)
             return jnp.sum(y * upstream), (y, updated)
 
-        (_, (y, updated)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(trainable, x)
+        (_, (y, updated)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            trainable, x
+        )
         return y, grads, updated
 
     trainable = [v.value for v in layer.trainable_variables]

@@ -22,7 +22,9 @@ import keras_bn
 try:
     keras_suite = importlib.import_module("keras.src.layers.normalization.batch_normalization_test")
 except ImportError as error:  # A Keras build without its tests.
-    pytest.skip(f"the installed keras ships no batch_normalization_test: {error}", allow_module_level=True)
+    pytest.skip(
+        f"the installed keras ships no batch_normalization_test: {error}", allow_module_level=True
+    )
 
 
 @keras.saving.register_keras_serializable(package="keras_bn_tests")
@@ -47,7 +49,6 @@ class _LayersWithOurs(types.ModuleType):
 
 
 class KerasSuiteTest(keras_suite.BatchNormalizationTest):
-
     def setUp(self):
         super().setUp()
         original = keras_suite.layers
@@ -57,4 +58,3 @@ class KerasSuiteTest(keras_suite.BatchNormalizationTest):
     def test_substitution_is_in_effect(self):
         self.assertIs(keras_suite.layers.BatchNormalization, KerasCompatibleBatchNormalization)
         self.assertTrue(issubclass(KerasCompatibleBatchNormalization, keras_bn.BatchNormalization))
-

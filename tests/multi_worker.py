@@ -69,7 +69,10 @@ def _launch(module, args_per_worker, timeout_s, extra_env):
             processes.append(
                 subprocess.Popen(
                     [sys.executable, "-m", module, *args],
-                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
                 )
             )
         results = []

@@ -30,17 +30,23 @@ def main(out_dir):
     x = (rng.randn(STEPS * 16, 6) * 3 + 5).astype(np.float32)
     y = (x.sum(1) > 30).astype(np.float32)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((6,)),
-            keras.layers.Dense(5, use_bias=False),
-            keras_bn.BatchNormalization(synchronized=True, name="bn_a"),
-            keras.layers.Dense(1),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(5, use_bias=False),
+                keras_bn.BatchNormalization(synchronized=True, name="bn_a"),
+                keras.layers.Dense(1),
+            ]
+        )
         model.compile(keras.optimizers.SGD(0.01), "mse")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     run = loops.make_multi_step(
-        strategy, model, model.optimizer, lambda labels, out: tf.reduce_sum((out[:, 0] - labels) ** 2), 16
+        strategy,
+        model,
+        model.optimizer,
+        lambda labels, out: tf.reduce_sum((out[:, 0] - labels) ** 2),
+        16,
     )
     log_dir = os.path.join(out_dir, f"worker_{strategy.cluster_resolver.task_id}")
     monitor = keras_bn.BatchNormMonitor(log_dir, x[:32], every_n_steps=EVERY)

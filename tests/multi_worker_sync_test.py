@@ -15,7 +15,6 @@ _TIMEOUT_S = 120
 
 
 class MultiWorkerTest(absltest.TestCase):
-
     def test_two_workers_share_global_moments(self):
         out_dir = tempfile.mkdtemp()
         results = multi_worker.run_workers(
@@ -49,8 +48,13 @@ class MultiWorkerTest(absltest.TestCase):
             self.assertIn("done", output)
         self.assertFalse(os.path.exists(os.path.join(out_dir, "worker_1")))
         tags = tensorboard_events.read_events(os.path.join(out_dir, "worker_0"))
-        steps = list(range(multi_worker_monitor_worker.EVERY, multi_worker_monitor_worker.STEPS + 1,
-                           multi_worker_monitor_worker.EVERY))
+        steps = list(
+            range(
+                multi_worker_monitor_worker.EVERY,
+                multi_worker_monitor_worker.STEPS + 1,
+                multi_worker_monitor_worker.EVERY,
+            )
+        )
         for name in ("train_inference_gap", "mean_drift", "variance_drift", "moving_mean", "gamma"):
             self.assertEqual([s for s, _ in tags[f"bn_a/{name}"]], steps, name)
         self.assertTrue(all(np.isfinite(v) for _, v in tags["bn_a/train_inference_gap"]))

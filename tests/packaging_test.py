@@ -31,8 +31,19 @@ def wheel(tmp_path_factory):
             shutil.copy(path, src / name)
     out = tmp_path_factory.mktemp("dist")
     result = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "build",
+            "--wheel",
+            "--no-isolation",
+            "--outdir",
+            str(out),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     (path,) = out.glob("keras_bn-*.whl")
@@ -50,7 +61,8 @@ def test_wheel_holds_keras_bn_without_tests(wheel):
         names = archive.namelist()
     modules = {n for n in names if n.startswith("keras_bn/")}
     expected = {
-        f"keras_bn/{f}" for f in os.listdir(ROOT / "keras_bn")
+        f"keras_bn/{f}"
+        for f in os.listdir(ROOT / "keras_bn")
         if (f.endswith(".py") and not f.endswith("_test.py")) or f == "py.typed"
     }
     assert modules == expected
@@ -74,7 +86,12 @@ def test_dependencies_are_keras_and_numpy_and_the_rest_extras(wheel):
             extras.setdefault(match.group(1), set()).add(name.lower().replace("_", "-"))
     assert extras["tensorflow"] == {"tensorflow"}
     assert extras["trainers"] == {
-        "tensorflow", "tensorflow-datasets", "importlib-resources", "tensorboard", "absl-py", "matplotlib",
+        "tensorflow",
+        "tensorflow-datasets",
+        "importlib-resources",
+        "tensorboard",
+        "absl-py",
+        "matplotlib",
     }
     assert {"pytest", "jax", "absl-py"} <= extras["test"]
     assert extras["docs"] == {"mkdocs", "mkdocs-material", "mkdocstrings-python"}

@@ -57,7 +57,10 @@ def reference_sliced_batch_norm(x, upstream, gamma, beta, slices, epsilon):
     dx = gamma * inv * (g - (sum_g + x_hat * sum_g_xhat) / m)
     flat = (-1, x.shape[-1])
     return {
-        "y": y.reshape(flat), "dx": dx.reshape(flat),
-        "dgamma": sum_g_xhat.sum((0, 1)), "dbeta": sum_g.sum((0, 1)),
-        "mean": mean.mean((0, 1)), "variance": variance.mean((0, 1)),
+        "y": y.reshape(flat),
+        "dx": dx.reshape(flat),
+        "dgamma": sum_g_xhat.sum((0, 1)),
+        "dbeta": sum_g.sum((0, 1)),
+        "mean": mean.mean((0, 1)),
+        "variance": variance.mean((0, 1)),
     }

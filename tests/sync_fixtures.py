@@ -3,7 +3,7 @@
 import functools
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mirrored_cpu_strategy(num_replicas):
     """One `MirroredStrategy` over logical CPUs 0..num_replicas-1 per process.
 

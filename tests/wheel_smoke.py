@@ -43,10 +43,14 @@ class OneStepInFlight(keras.callbacks.Callback):
 
 def check_installed_wheel():
     site = os.path.dirname(os.path.dirname(os.path.abspath(keras_bn.__file__)))
-    assert os.path.basename(site) == "site-packages", f"keras_bn imported from {keras_bn.__file__}, not a wheel"
+    assert os.path.basename(site) == "site-packages", (
+        f"keras_bn imported from {keras_bn.__file__}, not a wheel"
+    )
     for name in ("trainers", "flags", "tests"):
         assert not os.path.exists(os.path.join(site, name)), f"{name} installed into {site}"
-    leftovers = [f for f in os.listdir(os.path.dirname(keras_bn.__file__)) if f.endswith("_test.py")]
+    leftovers = [
+        f for f in os.listdir(os.path.dirname(keras_bn.__file__)) if f.endswith("_test.py")
+    ]
     assert not leftovers, f"test modules in the wheel: {leftovers}"
     assert keras.backend.backend() == BACKEND, keras.backend.backend()
 
@@ -55,21 +59,29 @@ def train_local():
     rng = np.random.RandomState(0)
     x = rng.randn(256, 12).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
-    model = keras.Sequential([
-        keras.Input((12,)),
-        keras.layers.Dense(16, use_bias=False),
-        keras_bn.BatchNormalization(),
-        keras.layers.Activation("sigmoid"),
-        keras.layers.Dense(2),
-    ])
-    model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model = keras.Sequential(
+        [
+            keras.Input((12,)),
+            keras.layers.Dense(16, use_bias=False),
+            keras_bn.BatchNormalization(),
+            keras.layers.Activation("sigmoid"),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(
+        keras.optimizers.SGD(0.5),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     history = model.fit(x, y, batch_size=32, epochs=4, verbose=0).history
     assert np.all(np.isfinite(history["loss"])), history
     assert history["loss"][-1] < history["loss"][0], history["loss"]
     moving_mean = keras.ops.convert_to_numpy(model.layers[1].moving_mean)
     assert np.any(moving_mean != 0), "moving statistics not updated"
-    print(f"{BACKEND}: local statistics trained, loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f}")
+    print(
+        f"{BACKEND}: local statistics trained, "
+        f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f}"
+    )
 
 
 def train_synchronized_data_parallel():
@@ -90,17 +102,30 @@ def train_synchronized_data_parallel():
     variances = {}
     for synchronized in (True, False):
         with distribution.scope():
-            model = keras.Sequential([
-                keras.Input((4,)),
-                keras_bn.BatchNormalization(momentum=0.0, synchronized=synchronized),
-                keras.layers.Dense(1),
-            ])
+            model = keras.Sequential(
+                [
+                    keras.Input((4,)),
+                    keras_bn.BatchNormalization(momentum=0.0, synchronized=synchronized),
+                    keras.layers.Dense(1),
+                ]
+            )
             model.compile(keras.optimizers.SGD(0.01), "mse")
-            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[OneStepInFlight()])
+            model.fit(
+                x,
+                y,
+                batch_size=batch,
+                epochs=1,
+                shuffle=False,
+                verbose=0,
+                callbacks=[OneStepInFlight()],
+            )
         variances[synchronized] = keras.ops.convert_to_numpy(model.layers[0].moving_variance)
     np.testing.assert_allclose(variances[True], global_variance, rtol=1e-4)
     np.testing.assert_allclose(variances[False], local_variance, rtol=1e-4)
-    print(f"jax: synchronized=True under DataParallel over {REPLICAS} devices took the global batch's variance")
+    print(
+        f"jax: synchronized=True under DataParallel over {REPLICAS} devices "
+        "took the global batch's variance"
+    )
 
 
 def check_monitor_needs_tensorflow():
@@ -110,7 +135,9 @@ def check_monitor_needs_tensorflow():
         assert 'pip install "keras-bn[tensorflow]"' in str(error), str(error)
         print(f"{BACKEND}: BatchNormMonitor without TensorFlow: ImportError: {error}")
     else:
-        raise AssertionError("BatchNormMonitor was constructed without TensorFlow; expected an ImportError")
+        raise AssertionError(
+            "BatchNormMonitor was constructed without TensorFlow; expected an ImportError"
+        )
 
 
 def main():

@@ -34,17 +34,16 @@ BN-x30 peaks at 74.8%.
 
 import dataclasses
 import os
-from typing import Optional
 
 from absl import app
 from absl import flags
 import keras
 import tensorflow as tf
 
-import keras_bn
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
+import keras_bn
 from trainers import imagenet_data
 from trainers import inception_model
 from trainers import inception_recipes
@@ -177,12 +176,12 @@ class Config(strategy_lib.DistributionConfig):
     variant: str
     recipe: inception_recipes.Recipe
     model_dir: str
-    data_dir: Optional[str]
+    data_dir: str | None
     seed: int
     train_steps: int
     batch_size: int
     eval_every: int
-    eval_steps: Optional[int]
+    eval_steps: int | None
     image_size: int
     use_fake_data: bool
     steps_per_execution: int

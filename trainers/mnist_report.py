@@ -13,10 +13,10 @@ history per seed (see `trainers.mnist_sigmoid`). TensorBoard gets:
 import io
 
 import numpy as np
-import tensorflow as tf
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 from tensorboard.plugins.hparams import api as hp
+import tensorflow as tf
 
 PERCENTILES = (15, 50, 85)
 TARGET_ACCURACY = 0.97

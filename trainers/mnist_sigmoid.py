@@ -31,7 +31,6 @@ stay stable while the baseline's drift, as in the paper's Figure 1.
 
 import dataclasses
 import os
-from typing import Optional
 
 from absl import app
 from absl import flags
@@ -40,17 +39,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import keras_bn
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
+import keras_bn
 from trainers import mnist_data
 from trainers import mnist_model
 from trainers import mnist_report
 from trainers import preflight
 from trainers import skeleton
-from trainers import summaries
 from trainers import strategy as strategy_lib
+from trainers import summaries
 from trainers import tf_runner
 
 NORM = flags.DEFINE_enum(
@@ -102,7 +101,7 @@ class Config(strategy_lib.DistributionConfig):
     """
 
     model_dir: str
-    data_dir: Optional[str]
+    data_dir: str | None
     seed: int
     train_steps: int
     batch_size: int
@@ -112,7 +111,7 @@ class Config(strategy_lib.DistributionConfig):
     init_std: float
     probe_size: int
     num_seeds: int
-    train_subset: Optional[int]
+    train_subset: int | None
 
     @property
     def networks(self):

@@ -9,7 +9,6 @@ here do not depend on the engine.
 
 import dataclasses
 import time
-from typing import Optional
 
 from absl import logging
 import keras
@@ -42,9 +41,9 @@ class LoopConfig:
     train_steps: int
     eval_every: int
     batch_size: int
-    steps_per_execution: Optional[int]
+    steps_per_execution: int | None
     max_to_keep: int
-    sync_group_size: Optional[int] = None
+    sync_group_size: int | None = None
 
 
 class Task:

@@ -1,7 +1,6 @@
 """Creating a tf.distribute strategy from a name (see distribution_flags)."""
 
 import dataclasses
-from typing import Optional
 
 import tensorflow as tf
 
@@ -16,11 +15,11 @@ class DistributionConfig:
     """
 
     distribution_strategy: str
-    tpu: Optional[str]
-    num_cpu_devices: Optional[int]
-    num_gpu_devices: Optional[int]
+    tpu: str | None
+    num_cpu_devices: int | None
+    num_gpu_devices: int | None
     sync_batch_norm: bool
-    sync_group_size: Optional[int]
+    sync_group_size: int | None
 
     def create_strategy(self):
         """The strategy these settings name (see `create_strategy`)."""
