@@ -13,6 +13,7 @@ raises an error naming the backend (JAX's is tested in
 
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -178,6 +179,32 @@ class BackendTest(parameterized.TestCase):
                 keras.ops.convert_to_numpy(converted.layers[1].moving_mean),
             )
         )
+
+    def test_monitor_logs_health_on_this_backend(self):
+        from tests import tensorboard_events  # Reads events with TensorFlow: import it here.
+
+        x, y = _data((64, 6), 7), _data((64, 1), 8)
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(5),
+                keras_bn.BatchNormalization(name="bn"),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        log_dir = tempfile.mkdtemp()
+        monitor = keras_bn.BatchNormMonitor(log_dir, x[:32], every_n_steps=4)
+        model.fit(x, y, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)  # 8 steps.
+        tags = tensorboard_events.read_events(log_dir)
+        self.assertEqual([s for s, _ in tags["bn/train_inference_gap"]], [4, 8])
+        self.assertEqual({v for _, v in tags["bn/skipped_updates"]}, {0.0})
+        layer, health = monitor.health(model)[0]
+        self.assertIs(layer, model.get_layer("bn"))
+        self.assertAlmostEqual(
+            tags["bn/train_inference_gap"][-1][1], health["train_inference_gap"], places=4
+        )
+        self.assertTrue(all(np.isfinite(v) for v in health.values()))
 
     def test_synchronized_needs_a_distribution_engine(self):
         if BACKEND in ("tensorflow", "jax"):

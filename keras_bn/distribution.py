@@ -1,17 +1,29 @@
 """Which process of a distributed run writes its files."""
 
+import keras
+
 
 def is_chief(strategy=None):
     """Whether this process writes a run's files (events, results, checkpoints).
 
-    Only `tf.distribute.MultiWorkerMirroredStrategy` has more than one
-    process: there the chief is the "chief" task, or worker 0 when the cluster
-    has no chief (TF_CONFIG conventions). Every other strategy, and no
-    strategy, runs in one process, which writes.
+    On JAX, process 0 of a multi-process `keras.distribution` job (every
+    single-process run) writes. On TensorFlow only
+    `tf.distribute.MultiWorkerMirroredStrategy` has more than one process:
+    there the chief is the "chief" task, or worker 0 when the cluster has no
+    chief (TF_CONFIG conventions); every other strategy, and no strategy,
+    runs in one process, which writes. Other backends run in one process.
 
     Args:
-        strategy: a `tf.distribute.Strategy`, default the current one.
+        strategy: a `tf.distribute.Strategy` (TensorFlow backend), default
+            the current one.
     """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.process_index() == 0
+    if backend != "tensorflow":
+        return True
     import tensorflow as tf  # Only tf.distribute runs have several workers.
 
     strategy = strategy or tf.distribute.get_strategy()

@@ -1,5 +1,6 @@
 """`keras_bn.BatchNormMonitor`: BN's own health in TensorBoard."""
 
+import functools
 import threading
 
 import keras
@@ -48,7 +49,10 @@ class BatchNormMonitor(keras.callbacks.Callback):
     `<group>/worst_train_inference_gap`, and the histograms per group
     (`<group>/moving_mean`, ...), the group's layers concatenated.
 
-    Under a `tf.distribute` strategy only the chief probes and writes; it
+    On JAX and PyTorch the probe is one inference call with the moments in
+    NumPy; under a multi-process JAX `keras.distribution` job only process 0
+    probes and writes. Under a `tf.distribute` strategy only the chief probes
+    and writes; it
     probes in its first local replica with that replica's copies of the
     moving statistics (the same on every replica with `synchronized=True`),
     so no collective is issued and the other workers of a
@@ -75,10 +79,14 @@ class BatchNormMonitor(keras.callbacks.Callback):
             reached from its inputs (not Sequential/functional).
     """
 
-    # Keras may call the batch hook from its callback thread: training does not
-    # wait for the hook (which only reads the model, with no collective) on
-    # the 99 batches of 100 that log nothing.
-    async_safe = True
+    @property
+    def async_safe(self):
+        # On TensorFlow Keras may call the batch hook from its callback thread:
+        # training does not wait for the hook (which only reads the model, with
+        # no collective) on the 99 batches of 100 that log nothing. JAX's fit
+        # donates the variables' buffers to each step, so a probe running
+        # beside training could read a deleted buffer: there hooks run in line.
+        return keras.backend.backend() == "tensorflow"
 
     def __init__(self, log_dir, probe_data, every_n_steps=100, group_by=None):
         super().__init__()
@@ -278,8 +286,7 @@ def _strategy(model):
 
 
 def _compile_probe(model, layers):
-    import tensorflow as tf
-
+    """The probe: `data -> (moments per layer, weights per layer)`, compiled on TensorFlow."""
     try:
         inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
         probe = keras.Model(inputs, [layer.input for layer in layers])
@@ -290,9 +297,32 @@ def _compile_probe(model, layers):
             f"are called once. Received: model={type(model).__name__} ({error})"
         ) from error
     axes = [
-        [i for i in range(len(layer.input.shape)) if i not in layer.feature_axes]
+        tuple(i for i in range(len(layer.input.shape)) if i not in layer.feature_axes)
         for layer in layers
     ]
+    if keras.backend.backend() != "tensorflow":
+        return functools.partial(_eager_probe_pass, probe, layers, axes)
+    return _tf_probe(model, probe, layers, axes)
+
+
+def _eager_probe_pass(probe, layers, axes, data):
+    """The probe on JAX and PyTorch: one inference call, moments in NumPy float64."""
+    outputs = probe(data, training=False)
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    moments = []
+    for x, a in zip(outputs, axes):
+        x = np.asarray(keras.ops.convert_to_numpy(x), np.float64)
+        moments.append((x.mean(axis=a), x.var(axis=a)))
+    weights = [
+        {name: keras.ops.convert_to_numpy(v) for name, v in _weight_variables(layer).items()}
+        for layer in layers
+    ]
+    return moments, weights
+
+
+def _tf_probe(model, probe, layers, axes):
+    """The probe as one `tf.function`, in the first local replica under a strategy."""
+    import tensorflow as tf
 
     def probe_pass(data):
         outputs = probe(data, training=False)
