@@ -174,65 +174,18 @@ class BatchNormMonitor(keras.callbacks.Callback):
 
         if not distribution.is_chief(_strategy(model)):
             return
-        protos = []
-
-        def scalar(tag, value, description):
-            protos.append(scalar_summary.scalar_pb(tag, value, description=description))
-
-        def histogram(tag, values):
-            protos.append(histogram_summary.histogram_pb(tag, values))
-
         states = self._probe_state(model)
         results = [(layer, _layer_health(layer, *state)) for layer, state in states]
         weights = {layer: dict(state[2]) for layer, state in states}
         skipped = {layer: w.pop("skipped_updates", None) for layer, w in weights.items()}
         if self.group_by is None:
-            for layer, metrics in results:
-                for name, value in metrics.items():
-                    scalar(f"{layer.name}/{name}", value, _DESCRIPTIONS[name])
-                if skipped[layer] is not None:
-                    scalar(
-                        f"{layer.name}/skipped_updates",
-                        float(skipped[layer]),
-                        _DESCRIPTIONS["skipped_updates"],
-                    )
-                for name, values in weights[layer].items():
-                    histogram(f"{layer.name}/{name}", values)
+            scalars, histograms = _per_layer_summaries(results, weights, skipped)
         else:
-            gaps = np.array([metrics["train_inference_gap"] for _, metrics in results])
-            scalar(
-                "batch_norm/worst_train_inference_gap",
-                gaps.max(),
-                "Largest train/inference gap over all BN layers. "
-                + _DESCRIPTIONS["train_inference_gap"],
-            )
-            scalar(
-                "batch_norm/median_train_inference_gap",
-                float(np.median(gaps)),
-                "Median train/inference gap over all BN layers.",
-            )
-            counts = [float(c) for c in skipped.values() if c is not None]
-            if counts:
-                scalar(
-                    "batch_norm/skipped_updates",
-                    sum(counts),
-                    "Sum over BN layers. " + _DESCRIPTIONS["skipped_updates"],
-                )
-            groups = {}
-            for layer, metrics in results:
-                groups.setdefault(self.group_by(layer.name), []).append((layer, metrics))
-            for group, members in groups.items():
-                scalar(
-                    f"{group}/worst_train_inference_gap",
-                    max(m["train_inference_gap"] for _, m in members),
-                    f"Largest train/inference gap of the BN layers of {group}.",
-                )
-                stacked = {}
-                for layer, _ in members:
-                    for name, values in weights[layer].items():
-                        stacked.setdefault(name, []).append(values.ravel())
-                for name, values in stacked.items():
-                    histogram(f"{group}/{name}", np.concatenate(values))
+            scalars, histograms = _grouped_summaries(results, weights, skipped, self.group_by)
+        protos = [
+            scalar_summary.scalar_pb(tag, value, description=description)
+            for tag, value, description in scalars
+        ] + [histogram_summary.histogram_pb(tag, values) for tag, values in histograms]
         tf.summary.experimental.write_raw_pb([p.SerializeToString() for p in protos], step=step)
 
     def _probe_state(self, model):
@@ -267,6 +220,68 @@ class BatchNormMonitor(keras.callbacks.Callback):
             )
             for layer, (mean, variance), w in zip(layers, moments, weights)
         ]
+
+
+def _per_layer_summaries(results, weights, skipped):
+    """`(scalars, histograms)` of each layer: (tag, value, description), (tag, values)."""
+    scalars, histograms = [], []
+    for layer, metrics in results:
+        for name, value in metrics.items():
+            scalars.append((f"{layer.name}/{name}", value, _DESCRIPTIONS[name]))
+        if skipped[layer] is not None:
+            scalars.append(
+                (
+                    f"{layer.name}/skipped_updates",
+                    float(skipped[layer]),
+                    _DESCRIPTIONS["skipped_updates"],
+                )
+            )
+        histograms += [(f"{layer.name}/{name}", values) for name, values in weights[layer].items()]
+    return scalars, histograms
+
+
+def _grouped_summaries(results, weights, skipped, group_by):
+    """`(scalars, histograms)` aggregated over all layers and over each `group_by` group."""
+    gaps = np.array([metrics["train_inference_gap"] for _, metrics in results])
+    scalars = [
+        (
+            "batch_norm/worst_train_inference_gap",
+            gaps.max(),
+            "Largest train/inference gap over all BN layers. "
+            + _DESCRIPTIONS["train_inference_gap"],
+        ),
+        (
+            "batch_norm/median_train_inference_gap",
+            float(np.median(gaps)),
+            "Median train/inference gap over all BN layers.",
+        ),
+    ]
+    counts = [float(c) for c in skipped.values() if c is not None]
+    if counts:
+        scalars.append(
+            (
+                "batch_norm/skipped_updates",
+                sum(counts),
+                "Sum over BN layers. " + _DESCRIPTIONS["skipped_updates"],
+            )
+        )
+    groups, histograms = {}, []
+    for layer, metrics in results:
+        groups.setdefault(group_by(layer.name), []).append((layer, metrics))
+    for group, members in groups.items():
+        scalars.append(
+            (
+                f"{group}/worst_train_inference_gap",
+                max(m["train_inference_gap"] for _, m in members),
+                f"Largest train/inference gap of the BN layers of {group}.",
+            )
+        )
+        stacked = {}
+        for layer, _ in members:
+            for name, values in weights[layer].items():
+                stacked.setdefault(name, []).append(values.ravel())
+        histograms += [(f"{group}/{name}", np.concatenate(v)) for name, v in stacked.items()]
+    return scalars, histograms
 
 
 def _require_tensorflow():
