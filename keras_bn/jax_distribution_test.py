@@ -165,46 +165,30 @@ class JaxDistributionTest(parameterized.TestCase):
             )
             return model
 
+        def fit(model):
+            # One step in flight: 8 emulated devices on 2 cores (tests/jax_programs.py).
+            callbacks = [jax_programs.OneStepInFlight()]
+            history = model.fit(
+                x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0, callbacks=callbacks
+            )
+            return history.history["loss"]
+
         keras.utils.set_random_seed(0)
         single = build()
         weights = single.get_weights()
-        single_losses = single.fit(
-            x,
-            y,
-            batch_size=BATCH,
-            epochs=5,
-            shuffle=False,
-            verbose=0,
-            callbacks=[jax_programs.OneStepInFlight()],
-        ).history["loss"]
+        single_losses = fit(single)
         distribution = _data_parallel()
         with distribution.scope():
             parallel = build()
             parallel.set_weights(weights)
-            parallel_losses = parallel.fit(
-                x,
-                y,
-                batch_size=BATCH,
-                epochs=5,
-                shuffle=False,
-                verbose=0,
-                callbacks=[jax_programs.OneStepInFlight()],
-            ).history["loss"]
+            parallel_losses = fit(parallel)
         np.testing.assert_allclose(parallel_losses, single_losses, rtol=1e-5)
         # With each replica's own statistics the run differs (so the check
         # above can fail).
         with distribution.scope():
             local = build(synchronized=False)
             local.set_weights(weights)
-            local_losses = local.fit(
-                x,
-                y,
-                batch_size=BATCH,
-                epochs=5,
-                shuffle=False,
-                verbose=0,
-                callbacks=[jax_programs.OneStepInFlight()],
-            ).history["loss"]
+            local_losses = fit(local)
         self.assertGreater(abs(local_losses[-1] - single_losses[-1]), 1e-2 * single_losses[-1])
 
     def test_keras_layer_normalises_with_the_global_batch(self):
