@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 _DATA_DIR = flags.DEFINE_string(
     "data_dir",
     None,
-    "TFDS data directory holding mnist (offline: ../shared/data/tensorflow_datasets).",
+    "TFDS data directory holding mnist (default: TFDS's own, downloading it).",
 )
 _REPLICAS = flags.DEFINE_integer("replicas", 8, "Devices on the batch axis.", lower_bound=2)
 _BATCH = flags.DEFINE_integer(
