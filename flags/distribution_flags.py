@@ -1,16 +1,30 @@
-"""Distribution flags: which tf.distribute strategy a trainer runs under."""
+"""Distribution flags: how a trainer spreads its steps over devices, on either engine.
+
+The Keras backend (`KERAS_BACKEND`) picks the engine: TensorFlow runs a
+tf.distribute strategy, JAX a `keras.distribution`. A strategy the engine
+cannot run is refused when the flags are parsed.
+"""
 
 from absl import flags
+import keras
 
-STRATEGIES = ("off", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+STRATEGIES = ("off", "one_device", "mirrored", "multi_worker_mirrored", "tpu", "data_parallel")
+# The strategies each engine runs (the Keras backend's name).
+ENGINE_STRATEGIES = {
+    "tensorflow": ("off", "one_device", "mirrored", "multi_worker_mirrored", "tpu"),
+    "jax": ("off", "data_parallel"),
+}
 
 DISTRIBUTION_STRATEGY = flags.DEFINE_enum(
     "distribution_strategy",
     "off",
     STRATEGIES,
-    "off: the default strategy; one_device: the first GPU, else the CPU; "
+    "off: one device; TensorFlow only: one_device: the first GPU, else the CPU; "
     "mirrored: all local GPUs (CPU if none); multi_worker_mirrored: workers "
-    "from TF_CONFIG; tpu: the TPU named by --tpu.",
+    "from TF_CONFIG; tpu: the TPU named by --tpu. JAX only: data_parallel: "
+    "keras.distribution.DataParallel over every device (of all processes when "
+    "KERAS_DISTRIBUTION_NUM_PROCESSES and the other KERAS_DISTRIBUTION_* variables "
+    "name a multi-process job).",
 )
 TPU = flags.DEFINE_string(
     "tpu",
@@ -38,14 +52,16 @@ NUM_CPU_DEVICES = flags.DEFINE_integer(
     "num_cpu_devices",
     None,
     "Split the CPU into this many logical devices before creating the "
-    "strategy, to run multi-replica code on a machine without accelerators.",
+    "strategy, to run multi-replica code on a machine without accelerators "
+    "(under JAX: this process's host devices, XLA's "
+    "--xla_force_host_platform_device_count).",
     lower_bound=1,
 )
 NUM_GPU_DEVICES = flags.DEFINE_integer(
     "num_gpu_devices",
     None,
     "Split GPU 0 into this many logical GPUs (16 GiB each) before creating "
-    "the strategy, to run multi-replica code on a one-GPU machine.",
+    "the strategy, to run multi-replica code on a one-GPU machine (TensorFlow only).",
     lower_bound=1,
 )
 SYNC_GROUP_SIZE = flags.DEFINE_integer(
@@ -62,6 +78,33 @@ flags.register_multi_flags_validator(
     lambda values: values["sync_group_size"] is None or values["sync_batch_norm"],
     message="--sync_group_size groups the replicas of synchronised BN and needs --sync_batch_norm.",
 )
+
+
+def engine():
+    """The engine the trainers run on: the Keras backend's name."""
+    return keras.backend.backend()
+
+
+@flags.validator("distribution_strategy")
+def _strategy_runs_on_engine(value):
+    supported = ENGINE_STRATEGIES.get(engine(), ("off",))
+    if value not in supported:
+        raise flags.ValidationError(
+            f"--distribution_strategy={value} does not run under KERAS_BACKEND={engine()}; "
+            f"this engine runs {', '.join(supported)}."
+        )
+    return True
+
+
+@flags.validator("num_gpu_devices")
+def _gpu_split_on_tensorflow(value):
+    if value is not None and engine() != "tensorflow":
+        raise flags.ValidationError(
+            f"--num_gpu_devices splits a GPU with TensorFlow and does not apply under "
+            f"KERAS_BACKEND={engine()}."
+        )
+    return True
+
 
 # Every distribution flag, for the trainers' configs.
 HOLDERS = (

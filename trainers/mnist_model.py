@@ -19,6 +19,7 @@ def build_model(
     sync_batch_norm=False,
     sync_group_size=None,
     batch_norm_layer=keras_bn.BatchNormalization,
+    momentum_warmup=False,
 ):
     """Returns `(model, probe)`: the classifier and its pre-activation outputs.
 
@@ -37,13 +38,19 @@ def build_model(
         batch_norm_layer: the BN layer class, default
             `keras_bn.BatchNormalization`; `keras.layers.BatchNormalization`
             for comparisons (then without the sync arguments).
+        momentum_warmup: the BN layers warm their momentum up (keras_bn
+            layers only; `keras_bn.BatchNormalization(momentum_warmup=True)`).
     """
     initializer = lambda i: keras.initializers.RandomNormal(stddev=init_std, seed=seed + i)
     if batch_norm_layer is keras_bn.BatchNormalization:
-        bn_kwargs = {"synchronized": sync_batch_norm, "sync_group_size": sync_group_size}
-    elif sync_batch_norm or sync_group_size is not None:
+        bn_kwargs = {
+            "synchronized": sync_batch_norm,
+            "sync_group_size": sync_group_size,
+            "momentum_warmup": momentum_warmup,
+        }
+    elif sync_batch_norm or sync_group_size is not None or momentum_warmup:
         raise ValueError(
-            "Only keras_bn layers take the sync arguments here. "
+            "Only keras_bn layers take the sync and warm-up arguments here. "
             f"Received: batch_norm_layer={batch_norm_layer.__name__}, "
             f"sync_batch_norm={sync_batch_norm}"
         )

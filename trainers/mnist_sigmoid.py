@@ -39,10 +39,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
-import keras_bn
 from trainers import mnist_data
 from trainers import mnist_model
 from trainers import mnist_report
@@ -50,7 +50,6 @@ from trainers import preflight
 from trainers import skeleton
 from trainers import strategy as strategy_lib
 from trainers import summaries
-from trainers import tf_runner
 
 NORM = flags.DEFINE_enum(
     "norm",
@@ -112,6 +111,7 @@ class Config(strategy_lib.DistributionConfig):
     probe_size: int
     num_seeds: int
     train_subset: int | None
+    bn_momentum_warmup: bool
 
     @property
     def networks(self):
@@ -157,6 +157,7 @@ def config_from_flags():
         PROBE_SIZE,
         NUM_SEEDS,
         TRAIN_SUBSET,
+        *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
     return Config(**summaries.flag_values(holders))
@@ -179,20 +180,25 @@ class MnistRun(skeleton.Task):
     def build(self):
         config = self.config
         self.model, self.probe = mnist_model.build_model(
-            self.norm, config.init_std, self.seed, config.sync_batch_norm, config.sync_group_size
+            self.norm,
+            config.init_std,
+            self.seed,
+            config.sync_batch_norm,
+            config.sync_group_size,
+            momentum_warmup=config.bn_momentum_warmup and self.norm == "batch_norm",
         )
         return self.model, keras.optimizers.SGD(config.learning_rate)
 
     def prepare_evaluation(self, model, runner):
-        del runner  # Evaluation runs on the whole test set in one call, not distributed.
+        # Evaluation runs on the whole test set in one call, not split over replicas.
         test_images, probe_size = self.test[0], self.config.probe_size
-        self.test_images = tf.constant(test_images)
-        self.probe_images = tf.constant(test_images[:probe_size])
-        self.predict = tf.function(lambda x: model(x, training=False))
-        self.pre_activations = tf.function(lambda x: self.probe(x, training=False))
+        self.test_images = test_images
+        self.probe_images = test_images[:probe_size]
+        self.predict = runner.compile(lambda x: model(x, training=False), model)
+        self.pre_activations = runner.compile(lambda x: self.probe(x, training=False), model)
         self.monitor = None
         if self.norm == "batch_norm":
-            self.monitor = keras_bn.BatchNormMonitor(None, test_images[:probe_size])
+            self.monitor = summaries.make_monitor(model, test_images[:probe_size])
 
     def config_values(self):
         """The invocation's config with this run's network and seed."""
@@ -212,7 +218,7 @@ class MnistRun(skeleton.Task):
     def evaluate(self, step, interval):
         logits = self.predict(self.test_images)
         accuracy = float(np.mean(np.argmax(logits, -1) == self.test[1]))
-        self.latest_probes = [p.numpy() for p in self.pre_activations(self.probe_images)]
+        self.latest_probes = [np.asarray(p) for p in self.pre_activations(self.probe_images)]
         quantiles = np.percentile(self.latest_probes[-1][:, PROBE_UNIT], PERCENTILES)
         record = {"step": step, "test_accuracy": accuracy, "train_loss": interval["train_loss"]}
         record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
@@ -281,8 +287,8 @@ def main(argv):
         preflight.check_model_dir(config.model_dir, TRAINER)
         if config.data_dir is not None:
             mnist_data.check_prepared(config.data_dir)
-        # The strategy comes first: datasets and variables are created under it.
-        runner = tf_runner.DistributeRunner(config.create_strategy())
+        # The runner comes first: datasets and variables are created under it.
+        runner = config.create_runner()
         skeleton.check_replicas(config.loop(config.networks[0], config.seed), runner.num_replicas)
         train, test = load_data(config)
     root = None

@@ -1,8 +1,13 @@
-"""Creating a tf.distribute strategy from a name (see distribution_flags)."""
+"""Creating a run's engine from the distribution flags (see distribution_flags).
+
+The Keras backend picks the engine: a `tf.distribute` strategy under a
+`trainers.tf_runner.DistributeRunner` on TensorFlow, a `keras.distribution`
+under a `trainers.jax_runner.JaxRunner` on JAX.
+"""
 
 import dataclasses
 
-import tensorflow as tf
+import keras
 
 from trainers import devices
 
@@ -20,12 +25,31 @@ class DistributionConfig:
     num_gpu_devices: int | None
     sync_batch_norm: bool
     sync_group_size: int | None
+    # The Keras backend the run trains on, recorded with the configuration.
+    engine: str = dataclasses.field(default_factory=keras.backend.backend, kw_only=True)
 
     def create_strategy(self):
-        """The strategy these settings name (see `create_strategy`)."""
+        """The tf.distribute strategy these settings name (see `create_strategy`)."""
         return create_strategy(
             self.distribution_strategy, self.tpu, self.num_cpu_devices, self.num_gpu_devices
         )
+
+    def create_runner(self, jit_compile=False):
+        """The runner of the Keras backend's engine for these settings.
+
+        Create it before any dataset or model: on TensorFlow datasets are
+        distributed by the strategy and variables placed under its scope, on
+        JAX the host devices and processes are fixed before JAX starts.
+        `jit_compile` (TensorFlow) XLA-compiles each replica's step; JAX
+        compiles every step anyway.
+        """
+        if self.engine == "jax":
+            from trainers import jax_runner
+
+            return jax_runner.create_runner(self.distribution_strategy, self.num_cpu_devices)
+        from trainers import tf_runner
+
+        return tf_runner.DistributeRunner(self.create_strategy(), jit_compile)
 
 
 def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
@@ -46,6 +70,8 @@ def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):
     Raises:
         ValueError: for an unknown name or "tpu" without `tpu`.
     """
+    import tensorflow as tf  # Local: the JAX engine needs no strategy.
+
     cpus = (
         devices.split_device("CPU", num_cpu_devices)[:num_cpu_devices] if num_cpu_devices else None
     )

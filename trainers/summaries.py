@@ -2,7 +2,11 @@
 
 import json
 
+from absl import logging
+import keras
 import tensorflow as tf
+
+import keras_bn
 
 
 def write_config(writer, config_values):
@@ -32,3 +36,28 @@ def read_json(path, default):
 def flag_values(flag_holders):
     """Maps each holder's name to its value (for logging and summaries)."""
     return {holder.name: holder.value for holder in flag_holders}
+
+
+def make_monitor(model, probe_data, group_by=None):
+    """A `keras_bn.BatchNormMonitor` of `model` on `probe_data`, or None where it cannot probe.
+
+    Off TensorFlow the monitor's probe is tried once here: where it fails
+    (its TensorFlow-compiled probe cannot call a model of another backend),
+    the run goes on without BN health summaries and says so in the log.
+    """
+    monitor = keras_bn.BatchNormMonitor(None, probe_data, group_by=group_by)
+    if keras.backend.backend() == "tensorflow":
+        return monitor
+    try:
+        monitor.health(model)
+    except Exception as error:  # noqa: BLE001  (any failure of the probe: logged, then skipped)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        logging.warning(
+            "BatchNormMonitor does not run under KERAS_BACKEND=%s (%s: %s); this run logs "
+            "no bn_* health summaries.",
+            keras.backend.backend(),
+            type(error).__name__,
+            first_line,
+        )
+        return None
+    return monitor

@@ -3,9 +3,9 @@
 `DistributeRunner` is everything `trainers.skeleton` needs from an engine:
 the replica count and chief role, building under the strategy's scope, a
 checkpointer, a compiled n-step training function over a distributed
-dataset, and sums over distributed evaluation batches. Another engine (for
-example Keras 3's `keras.distribution` under JAX) would offer the same
-methods.
+dataset, sums over distributed evaluation batches, and `compile` for a
+task's own evaluation functions. `trainers.jax_runner.JaxRunner` offers the
+same methods on JAX.
 """
 
 import os
@@ -61,6 +61,11 @@ class DistributeRunner:
             self.strategy, model, optimizer, loss_fn, global_batch, self.jit_compile
         )
         return lambda n: multi_step(iterator, tf.constant(n))
+
+    def compile(self, fn, model):
+        """`fn` (reading `model`'s variables) as a `tf.function`; results are tensors."""
+        del model  # A tf.function reads the variables themselves.
+        return tf.function(fn)
 
     def sum_over_batches(self, replica_fn, dataset, max_batches=None):
         """The sum over replicas and batches of `replica_fn(x, y)`, as a NumPy array.
