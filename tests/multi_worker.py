@@ -1,10 +1,13 @@
-"""Launching MultiWorkerMirroredStrategy worker processes on 127.0.0.1.
+"""Launching the worker processes of a multi-process job on 127.0.0.1.
 
 Each worker is `python -m MODULE ARGS...` in its own process with its own
-TF_CONFIG. Ports are picked free by the OS, but another process may take one
-between the pick and the worker binding it, so a launch whose worker reports
-an address clash is retried with new ports. Every process is killed in
-`finally`, and each wait is bounded.
+cluster environment: TF_CONFIG for a MultiWorkerMirroredStrategy job
+(`tf_config_env`), Keras' KERAS_DISTRIBUTION_* variables for a JAX
+`keras.distribution` job (`keras_distribution_env`). Ports are picked free by
+the OS, but another process may take one between the pick and the worker
+binding it, so a launch whose worker reports an address clash is retried
+with new ports. Every process is killed in `finally`, and the launch's waits
+together are bounded.
 """
 
 import json
@@ -12,6 +15,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CLASH = ("Address already in use", "Failed to add port", "address in use")
@@ -29,7 +34,27 @@ def free_ports(count):
             s.close()
 
 
-def run_workers(module, args_per_worker, timeout_s, env=None, attempts=3):
+def tf_config_env(addresses, index):
+    """Worker `index`'s TF_CONFIG in a cluster of workers at `addresses`."""
+    return {
+        "TF_CONFIG": json.dumps(
+            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
+        )
+    }
+
+
+def keras_distribution_env(addresses, index):
+    """Process `index`'s variables for `keras.distribution.initialize()` (the first coordinates)."""
+    return {
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(addresses),
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(len(addresses)),
+        "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
+    }
+
+
+def run_workers(
+    module, args_per_worker, timeout_s, env=None, attempts=3, cluster_env=tf_config_env
+):
     """Runs one worker per entry of `args_per_worker`; returns their outputs.
 
     Args:
@@ -38,15 +63,18 @@ def run_workers(module, args_per_worker, timeout_s, env=None, attempts=3):
         timeout_s: the bound on the whole launch, per attempt.
         env: extra environment variables for every worker.
         attempts: launches tried when a worker reports a port clash.
+        cluster_env: `(addresses, index) -> dict`, a worker's cluster
+            variables (`tf_config_env` or `keras_distribution_env`).
 
     Returns:
         A list of `(returncode, output)`, one per worker.
     """
-    results = _launch(module, args_per_worker, timeout_s, env or {})
+    launch = lambda: _launch(module, args_per_worker, timeout_s, env or {}, cluster_env)
+    results = launch()
     for _ in range(attempts - 1):
         if not _port_clash(results):
             break
-        results = _launch(module, args_per_worker, timeout_s, env or {})
+        results = launch()
     return results
 
 
@@ -54,34 +82,39 @@ def _port_clash(results):
     return any(code != 0 and any(c in out for c in _CLASH) for code, out in results)
 
 
-def _launch(module, args_per_worker, timeout_s, extra_env):
+def _launch(module, args_per_worker, timeout_s, extra_env, cluster_env):
     workers = [f"127.0.0.1:{port}" for port in free_ports(len(args_per_worker))]
-    processes = []
+    processes, outputs = [], []
+    deadline = time.monotonic() + timeout_s
     try:
         for index, args in enumerate(args_per_worker):
             env = dict(os.environ)
             env.update(extra_env)
-            env["TF_CONFIG"] = json.dumps(
-                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-            )
+            env.update(cluster_env(workers, index))
             env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
             env["CUDA_VISIBLE_DEVICES"] = ""
+            # A file, not a pipe: a worker whose unread pipe filled up would
+            # block, and the others with it in their next collective.
+            outputs.append(tempfile.TemporaryFile())
             processes.append(
                 subprocess.Popen(
                     [sys.executable, "-m", module, *args],
                     cwd=ROOT,
                     env=env,
-                    stdout=subprocess.PIPE,
+                    stdout=outputs[-1],
                     stderr=subprocess.STDOUT,
                 )
             )
         results = []
-        for process in processes:
-            output, _ = process.communicate(timeout=timeout_s)
-            results.append((process.returncode, output.decode(errors="replace")))
+        for process, output in zip(processes, outputs):
+            process.wait(timeout=max(deadline - time.monotonic(), 1.0))
+            output.seek(0)
+            results.append((process.returncode, output.read().decode(errors="replace")))
         return results
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        for output in outputs:
+            output.close()

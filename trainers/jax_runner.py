@@ -105,7 +105,6 @@ class JaxRunner:
             self.distribution = keras.distribution.DataParallel(
                 devices=self.devices, auto_shard_dataset=False
             )
-            keras.distribution.set_distribution(self.distribution)
         self._process_index = jax.process_index()
         processes = sorted({d.process_index for d in self.devices})
         self._process_rank = processes.index(self._process_index)
@@ -126,7 +125,15 @@ class JaxRunner:
         return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec(*spec))
 
     def build(self, build_fn):
-        """`build_fn() -> (model, optimizer)` under the distribution, optimizer state built."""
+        """`build_fn() -> (model, optimizer)` under the distribution, optimizer state built.
+
+        The distribution is made global here, not only around the build: the
+        layers read it again when the steps are traced, and a
+        `keras.backend.clear_session()` between runs would have dropped it.
+        """
+        import keras
+
+        keras.distribution.set_distribution(self.distribution)
         model, optimizer = build_fn()
         optimizer.build(model.trainable_variables)
         return model, optimizer
@@ -267,7 +274,7 @@ class NpzCheckpointer:
     (temporary file, then rename), the newest `max_to_keep` kept. Every
     process restores from the chief's files, so a relaunch of all processes
     resumes at the chief's step. Variables are matched by position and
-    checked by path and shape.
+    checked by name and shape.
     """
 
     def __init__(self, run_dir, max_to_keep, is_chief, model, optimizer):
@@ -284,7 +291,9 @@ class NpzCheckpointer:
         return sorted(paths, key=lambda p: int(re.search(r"ckpt-(\d+)\.npz$", p).group(1)))
 
     def _keys(self):
-        return [f"{i:04d}:{owner}/{v.path}" for i, (owner, v) in enumerate(self._variables)]
+        # Position and the variable's own name: a path holds auto-numbered
+        # object names (an optimizer's "sgd_1") that differ between processes.
+        return [f"{i:04d}:{owner}/{v.name}" for i, (owner, v) in enumerate(self._variables)]
 
     def restore(self):
         """Restores the chief's latest checkpoint, if any; returns its step (0 if none)."""
