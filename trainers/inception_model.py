@@ -131,6 +131,7 @@ def build_inception(
     sync_batch_norm=False,
     sync_group_size=None,
     batch_norm_layer=None,
+    momentum_warmup=False,
 ):
     """Returns the BN-Inception (or, with batch_norm=False, Inception) model.
 
@@ -147,6 +148,8 @@ def build_inception(
         sync_group_size: replicas per synchronisation group (`None`: all).
         batch_norm_layer: the BN class (default `keras_bn.BatchNormalization`;
             the benchmark passes `keras.layers.BatchNormalization`).
+        momentum_warmup: the BN layers warm their momentum up (keras_bn's
+            `momentum_warmup=True`).
 
     Returns:
         A `keras.Model` from standardised float images `(image_size,
@@ -155,6 +158,8 @@ def build_inception(
     b = _Builder(
         batch_norm, activation, weight_decay, sync_batch_norm, sync_group_size, batch_norm_layer
     )
+    if momentum_warmup:  # keras_bn only; Keras' layer has no warm-up.
+        b.batch_norm_options["momentum_warmup"] = True
     inputs = keras.Input((image_size, image_size, 3), name="image")
     x = b.conv(inputs, 64, 7, strides=2, name="conv1_7x7", separable=True)
     x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)
