@@ -40,10 +40,10 @@ from absl import flags
 import keras
 import tensorflow as tf
 
+from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
-import keras_bn
 from trainers import imagenet_data
 from trainers import inception_model
 from trainers import inception_recipes
@@ -51,7 +51,6 @@ from trainers import preflight
 from trainers import skeleton
 from trainers import strategy as strategy_lib
 from trainers import summaries
-from trainers import tf_runner
 
 _RECIPE_DEFAULT = "Default: the --variant recipe's (trainers/inception_recipes.py)."
 VARIANT = flags.DEFINE_enum(
@@ -128,7 +127,18 @@ def _jit_compile_with_sync(values):
     )
 
 
-def build_model(recipe, *, image_size, sync_batch_norm, sync_group_size=None):
+@flags.validator(
+    "jit_compile",
+    message="--jit_compile applies to the TensorFlow engine; under KERAS_BACKEND=jax every "
+    "training step is XLA-compiled already: drop the flag.",
+)
+def _jit_compile_on_tensorflow(value):
+    return not value or distribution_flags.engine() == "tensorflow"
+
+
+def build_model(
+    recipe, *, image_size, sync_batch_norm, sync_group_size=None, momentum_warmup=False
+):
     return inception_model.build_inception(
         image_size=image_size,
         num_classes=imagenet_data.NUM_CLASSES,
@@ -139,23 +149,24 @@ def build_model(recipe, *, image_size, sync_batch_norm, sync_group_size=None):
         weight_decay=recipe.weight_decay,
         sync_batch_norm=sync_batch_norm,
         sync_group_size=sync_group_size,
+        momentum_warmup=momentum_warmup,
     )
 
 
 def make_replica_eval(model):
-    """A compiled `(x, y) -> [top-1 hits, top-5 hits, examples]` of one replica's batch.
+    """`(x, y) -> [top-1 hits, top-5 hits, examples]` of one replica's batch, in Keras ops.
 
-    Single-crop accuracy in inference mode; summed over replicas and batches
-    by the runner.
+    Single-crop accuracy in inference mode; compiled by the runner
+    (`runner.compile`) and summed over replicas and batches by it.
     """
 
-    @tf.function
     def replica_eval(x, y):
         logits = model(x, training=False)
-        y = tf.cast(y, tf.int32)
-        top1 = tf.reduce_sum(tf.cast(tf.math.in_top_k(y, logits, 1), tf.float32))
-        top5 = tf.reduce_sum(tf.cast(tf.math.in_top_k(y, logits, 5), tf.float32))
-        return tf.stack([top1, top5, tf.cast(tf.shape(y)[0], tf.float32)])
+        y = keras.ops.cast(y, "int32")
+        top1 = keras.ops.sum(keras.ops.cast(keras.ops.in_top_k(y, logits, 1), "float32"))
+        top5 = keras.ops.sum(keras.ops.cast(keras.ops.in_top_k(y, logits, 5), "float32"))
+        examples = keras.ops.cast(keras.ops.shape(y)[0], "float32")
+        return keras.ops.stack([top1, top5, examples])
 
     return replica_eval
 
@@ -188,6 +199,7 @@ class Config(strategy_lib.DistributionConfig):
     mixed_precision: bool
     jit_compile: bool
     target_accuracy: float
+    bn_momentum_warmup: bool
 
     def loop(self):
         """The `skeleton.LoopConfig` of the run."""
@@ -204,9 +216,9 @@ class Config(strategy_lib.DistributionConfig):
         )
 
     def create_runner(self):
-        """The tf.distribute runner of these settings (`jit_compile` off on TPUs: XLA anyway)."""
+        """The engine's runner of these settings (`jit_compile` off on TPUs: XLA anyway)."""
         jit_compile = self.jit_compile and self.distribution_strategy != "tpu"
-        return tf_runner.DistributeRunner(self.create_strategy(), jit_compile)
+        return super().create_runner(jit_compile)
 
 
 def config_from_flags():
@@ -226,6 +238,7 @@ def config_from_flags():
         JIT_COMPILE,
         EVAL_STEPS,
         TARGET_ACCURACY,
+        *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
     # --learning_rate, --dropout, --weight_decay and --lr_decay_steps override
@@ -281,6 +294,7 @@ class InceptionRun(skeleton.Task):
             image_size=config.image_size,
             sync_batch_norm=config.sync_batch_norm,
             sync_group_size=config.sync_group_size,
+            momentum_warmup=config.bn_momentum_warmup,
         )
         self.schedule = keras.optimizers.schedules.ExponentialDecay(
             recipe.learning_rate, recipe.decay_steps, inception_recipes.DECAY_RATE, staircase=True
@@ -291,12 +305,12 @@ class InceptionRun(skeleton.Task):
     def prepare_evaluation(self, model, runner):
         self.runner = runner
         self.eval_data = self._dataset("validation", self.config.seed)
-        self.replica_eval = make_replica_eval(model)
+        self.replica_eval = runner.compile(make_replica_eval(model), model)
         self.monitor = None
         if self.recipe.batch_norm:
-            probe_images = next(iter(self.eval_data))[0]
-            self.monitor = keras_bn.BatchNormMonitor(
-                None, probe_images, group_by=inception_model.bn_stage
+            probe_images = next(iter(self.eval_data))[0].numpy()
+            self.monitor = summaries.make_monitor(
+                model, probe_images, group_by=inception_model.bn_stage
             )
 
     def config_values(self):
