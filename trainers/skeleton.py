@@ -2,9 +2,12 @@
 
 A trainer supplies a `Task` (its model, data, evaluation and summaries) and
 a `LoopConfig`; `train_and_evaluate` runs the steps every trainer shares on
-a runner, the engine underneath (`trainers.tf_runner.DistributeRunner`, a
-tf.distribute custom loop). Evaluation, logging and checkpoint scheduling
-here do not depend on the engine.
+a runner, the engine underneath: `trainers.tf_runner.DistributeRunner` (a
+tf.distribute custom loop) on TensorFlow, `trainers.jax_runner.JaxRunner`
+(jitted stateless steps over `keras.distribution`) on JAX; the config's
+`create_runner` picks the Keras backend's. Evaluation, logging and
+checkpoint scheduling here do not depend on the engine: tasks compile their
+own evaluation functions with `runner.compile(fn, model)`.
 """
 
 import dataclasses
