@@ -17,7 +17,7 @@ import tensorflow as tf
 import keras_bn
 from tests import flag_state
 from tests import tensorboard_events
-from trainers import imagenet_data
+from trainers import image_data
 from trainers import inception_bn
 from trainers import inception_model
 from trainers import inception_recipes
@@ -195,7 +195,7 @@ class TrainerTest(parameterized.TestCase):
 
     def test_missing_imagenet_names_the_flags(self):
         with self.assertRaisesRegex(FileNotFoundError, r"--data_dir='.*'.*--use_fake_data"):
-            imagenet_data.make_dataset(
+            image_data.make_dataset(
                 split="train",
                 data_dir=tempfile.mkdtemp(),
                 batch_size=2,

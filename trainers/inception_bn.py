@@ -30,6 +30,14 @@ Expected result of the real runs, from the paper (Table 2; see
 docs/reproduction.md for what this implementation has been run on): BN-x5
 reaches 72.2% top-1 in 14× fewer steps than Inception and peaks at 73.0%;
 BN-x30 peaks at 74.8%.
+
+Other data sets (--dataset: any TFDS data set with image and label
+features; trainers/image_data.py) and Table 2 in miniature, the five
+variants in turn with one summary and Figure 2 (trainers/inception_table2.py):
+
+    python -m trainers.inception_bn --dataset=fashion_mnist --variant=all \
+        --image_size=32 --train_steps=1000 --eval_every=100 --eval_steps=64 \
+        --data_dir=DIR --model_dir=runs/table2_fashion_mnist
 """
 
 import dataclasses
@@ -44,9 +52,10 @@ from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
-from trainers import imagenet_data
+from trainers import image_data
 from trainers import inception_model
 from trainers import inception_recipes
+from trainers import inception_table2
 from trainers import preflight
 from trainers import skeleton
 from trainers import strategy as strategy_lib
@@ -56,12 +65,27 @@ _RECIPE_DEFAULT = "Default: the --variant recipe's (trainers/inception_recipes.p
 VARIANT = flags.DEFINE_enum(
     "variant",
     "bn_x5",
-    list(inception_recipes.RECIPES),
-    "The paper's model variant (recipe bundle).",
+    [*inception_recipes.RECIPES, "all"],
+    "The paper's model variant (recipe bundle); inception_x5 is Inception at BN-x5's "
+    "learning rate. all: the five Table 2 variants in turn, each in --model_dir/<variant>, "
+    "with the decay interval scaled to --train_steps, then the Table 2 summary and Figure 2 "
+    "(trainers/inception_table2.py).",
+)
+WITH_INCEPTION_X5 = flags.DEFINE_bool(
+    "with_inception_x5",
+    False,
+    "With --variant=all, also train inception_x5 (the paper's check that Inception "
+    "without BN cannot use the ×5 learning rate).",
+)
+DATASET = flags.DEFINE_string(
+    "dataset",
+    image_data.IMAGENET,
+    "TFDS image-classification data set with 'image' and 'label' features (e.g. "
+    "fashion_mnist); grayscale becomes 3 channels, classes come from its info.",
 )
 IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Input height and width.", lower_bound=32)
 USE_FAKE_DATA = flags.DEFINE_bool(
-    "use_fake_data", False, "Random data of the real shapes instead of ImageNet."
+    "use_fake_data", False, "Random data of the real shapes instead of --dataset."
 )
 DROPOUT = flags.DEFINE_float(
     "dropout", None, f"Dropout rate. {_RECIPE_DEFAULT}", lower_bound=0.0, upper_bound=0.99
@@ -136,12 +160,40 @@ def _jit_compile_on_tensorflow(value):
     return not value or distribution_flags.engine() == "tensorflow"
 
 
+@flags.multi_flags_validator(
+    ["variant", "learning_rate", "dropout", "weight_decay", "lr_decay_steps"],
+    message=(
+        "--variant=all trains every variant with its own recipe: --learning_rate, --dropout, "
+        "--weight_decay and --lr_decay_steps would override them all alike. Drop them, or "
+        "train one --variant with them."
+    ),
+)
+def _all_keeps_the_recipes(values):
+    overrides = ("learning_rate", "dropout", "weight_decay", "lr_decay_steps")
+    return values["variant"] != "all" or all(values[name] is None for name in overrides)
+
+
+@flags.multi_flags_validator(
+    ["variant", "with_inception_x5"],
+    message="--with_inception_x5 adds a variant to --variant=all; pass --variant=inception_x5 "
+    "to train it alone.",
+)
+def _inception_x5_with_all(values):
+    return values["variant"] == "all" or not values["with_inception_x5"]
+
+
 def build_model(
-    recipe, *, image_size, sync_batch_norm, sync_group_size=None, momentum_warmup=False
+    recipe,
+    *,
+    image_size,
+    sync_batch_norm,
+    sync_group_size=None,
+    num_classes=image_data.NUM_CLASSES,
+    momentum_warmup=False,
 ):
     return inception_model.build_inception(
         image_size=image_size,
-        num_classes=imagenet_data.NUM_CLASSES,
+        num_classes=num_classes,
         batch_norm=recipe.batch_norm,
         activation=recipe.activation,
         lrn=recipe.lrn,
@@ -173,7 +225,7 @@ def make_replica_eval(model):
 
 def steps_to_target(evals, target_accuracy):
     """The first evaluated step whose top-1 reached the target, else None."""
-    return next((e["step"] for e in evals if e["top1"] >= target_accuracy), None)
+    return inception_table2.first_step_reaching(evals, target_accuracy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +237,11 @@ class Config(strategy_lib.DistributionConfig):
     """
 
     variant: str
-    recipe: inception_recipes.Recipe
+    recipe: inception_recipes.Recipe | None  # None for variant "all": each has its own.
     model_dir: str
     data_dir: str | None
+    dataset: str
+    with_inception_x5: bool
     seed: int
     train_steps: int
     batch_size: int
@@ -231,6 +285,8 @@ def config_from_flags():
         training_flags.BATCH_SIZE,
         training_flags.EVAL_EVERY,
         VARIANT,
+        DATASET,
+        WITH_INCEPTION_X5,
         IMAGE_SIZE,
         USE_FAKE_DATA,
         STEPS_PER_EXECUTION,
@@ -243,26 +299,28 @@ def config_from_flags():
     ]
     # --learning_rate, --dropout, --weight_decay and --lr_decay_steps override
     # the recipe, where they are recorded.
-    recipe = inception_recipes.resolve(
-        VARIANT.value,
-        learning_rate=training_flags.LEARNING_RATE.value,
-        dropout=DROPOUT.value,
-        weight_decay=WEIGHT_DECAY.value,
-        decay_steps=DECAY_STEPS.value,
-    )
+    recipe = None
+    if VARIANT.value != "all":
+        recipe = inception_recipes.resolve(
+            VARIANT.value,
+            learning_rate=training_flags.LEARNING_RATE.value,
+            dropout=DROPOUT.value,
+            weight_decay=WEIGHT_DECAY.value,
+            decay_steps=DECAY_STEPS.value,
+        )
     return Config(recipe=recipe, **summaries.flag_values(holders))
 
 
 def config_values(config):
     """The config as a flat dict (recipe fields prefixed "recipe.") for logging."""
     values = dataclasses.asdict(config)
-    recipe = values.pop("recipe")
+    recipe = values.pop("recipe") or {}
     values.update({f"recipe.{k}": v for k, v in recipe.items()})
     return values
 
 
 class InceptionRun(skeleton.Task):
-    """One variant trained on ImageNet (or fake data) and evaluated on its validation split.
+    """One variant trained on `spec`'s data set (or fake data) and evaluated on its eval split.
 
     The step at which top-1 first reaches `config.target_accuracy` is derived
     from the kept evaluation records, so a resumed run never keeps one from
@@ -271,12 +329,13 @@ class InceptionRun(skeleton.Task):
     stage: worst and median train/inference gap, per-stage weight histograms.
     """
 
-    def __init__(self, config):
-        self.config, self.recipe = config, config.recipe
+    def __init__(self, config, spec=image_data.IMAGENET_SPEC):
+        self.config, self.recipe, self.spec = config, config.recipe, spec
 
     def _dataset(self, split, seed):
         config = self.config
-        return imagenet_data.make_dataset(
+        return image_data.make_dataset(
+            spec=self.spec,
             split=split,
             data_dir=config.data_dir,
             batch_size=config.batch_size,
@@ -295,6 +354,7 @@ class InceptionRun(skeleton.Task):
             sync_batch_norm=config.sync_batch_norm,
             sync_group_size=config.sync_group_size,
             momentum_warmup=config.bn_momentum_warmup,
+            num_classes=self.spec.num_classes,
         )
         self.schedule = keras.optimizers.schedules.ExponentialDecay(
             recipe.learning_rate, recipe.decay_steps, inception_recipes.DECAY_RATE, staircase=True
@@ -304,7 +364,7 @@ class InceptionRun(skeleton.Task):
 
     def prepare_evaluation(self, model, runner):
         self.runner = runner
-        self.eval_data = self._dataset("validation", self.config.seed)
+        self.eval_data = self._dataset(self.spec.eval_split, self.config.seed)
         self.replica_eval = runner.compile(make_replica_eval(model), model)
         self.monitor = None
         if self.recipe.batch_norm:
@@ -370,8 +430,9 @@ def main(argv):
             raise preflight.InputError(f"Unexpected arguments: {argv[1:]}")
         config = config_from_flags()
         preflight.check_model_dir(config.model_dir, TRAINER)
+        spec = image_data.dataset_spec(config.dataset, config.data_dir)
         if not config.use_fake_data:
-            imagenet_data.check_prepared(config.data_dir)
+            image_data.check_prepared(spec, config.data_dir)
         # The strategy comes first: datasets and variables are created under it.
         runner = config.create_runner()
         skeleton.check_replicas(config.loop(), runner.num_replicas)
@@ -379,9 +440,20 @@ def main(argv):
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     if runner.is_chief:
         preflight.claim_model_dir(config.model_dir, TRAINER)
-    history = skeleton.train_and_evaluate(InceptionRun(config), config.loop(), runner)
+    train = lambda one: train_variant(one, spec, runner)
+    if config.variant == "all":
+        inception_table2.run(config, train, config_values, writes=runner.is_chief)
+    else:
+        train(config)
+
+
+def train_variant(config, spec, runner):
+    """Trains one variant's `config` on `spec`'s data; returns its history."""
+    keras.backend.clear_session()  # Variants of --variant=all share nothing but the runner.
+    history = skeleton.train_and_evaluate(InceptionRun(config, spec), config.loop(), runner)
     if runner.is_chief:  # Only the chief writes the run's results.
         write_summary(config, history)
+    return history
 
 
 if __name__ == "__main__":
