@@ -4,8 +4,8 @@
 `tfds.load` call, so decoding, cropping, flipping, photometric distortion,
 batching and the evaluation crop all run; for imagenet2012 with JPEG
 colour images, for fashion_mnist with PNG grayscale ones. The data set
-specs of a prepared data set are read from the Fashion-MNIST copy under
-FASHION_MNIST_DIR when it is there.
+specs of a prepared data set are read from the Fashion-MNIST copy in
+`../shared/data` beside the checkout when it is there.
 """
 
 import os
@@ -17,11 +17,12 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tests import data_dirs
 from trainers import image_data
 from trainers import inception_recipes
 from trainers import preflight
 
-FASHION_MNIST_DIR = os.environ.get("FASHION_MNIST_DIR", "/work/shared/data/tensorflow_datasets")
+FASHION_MNIST_DIR = data_dirs.SHARED_DATA
 # Fashion-MNIST's spec, as dataset_spec derives it from the prepared copy.
 FASHION_MNIST = image_data.DatasetSpec("fashion_mnist", 10, "test")
 

@@ -19,19 +19,14 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tests import data_dirs
 from tests import flag_state
 from tests import tensorboard_events
 from trainers import mnist_data
 from trainers import mnist_model
 from trainers import mnist_sigmoid
 
-SHARED_DATA = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "..",
-    "shared",
-    "data",
-    "tensorflow_datasets",
-)
+SHARED_DATA = data_dirs.SHARED_DATA
 
 
 def setUpModule():
