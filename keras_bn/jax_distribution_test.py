@@ -66,6 +66,24 @@ def _layer(momentum=0.5, **kwargs):
     return layer
 
 
+def _training_step(x, **layer_kwargs):
+    """One jitted training step of a fresh layer on `x` laid out over the batch axis.
+
+    Returns `(layer, y, ((dgamma, dbeta), dx), updated_non_trainable)`.
+    """
+    distribution = _data_parallel()
+    with distribution.scope():
+        layer = _layer(**layer_kwargs)
+        step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
+        outputs = step(
+            trainable,
+            non_trainable,
+            _distribute(distribution, x),
+            _distribute(distribution, UPSTREAM),
+        )
+    return (layer, *outputs)
+
+
 def _moving(layer, updated, name):
     names = [v.name for v in layer.non_trainable_variables]
     return np.asarray(updated[names.index(name)], np.float64)
@@ -81,16 +99,7 @@ class JaxDistributionTest(parameterized.TestCase):
 
     @parameterized.named_parameters(*SETTINGS)
     def test_matches_float64_reference_on_regrouped_batch(self, kwargs, slices):
-        distribution = _data_parallel()
-        with distribution.scope():
-            layer = _layer(**kwargs)
-            step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
-            y, ((dgamma, dbeta), dx), updated = step(
-                trainable,
-                non_trainable,
-                _distribute(distribution, X),
-                _distribute(distribution, UPSTREAM),
-            )
+        layer, y, ((dgamma, dbeta), dx), updated = _training_step(X, **kwargs)
         expected = references.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, slices, EPSILON)
         for name, value in (("y", y), ("dx", dx), ("dgamma", dgamma), ("dbeta", dbeta)):
             np.testing.assert_allclose(
@@ -108,16 +117,7 @@ class JaxDistributionTest(parameterized.TestCase):
         del slices
         x = X.copy()
         x[BATCH - 1, 2] = np.nan  # Only the last replica's slice is non-finite.
-        distribution = _data_parallel()
-        with distribution.scope():
-            layer = _layer(**kwargs)
-            step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
-            _, _, updated = step(
-                trainable,
-                non_trainable,
-                _distribute(distribution, x),
-                _distribute(distribution, UPSTREAM),
-            )
+        layer, _, _, updated = _training_step(x, **kwargs)
         np.testing.assert_array_equal(_moving(layer, updated, "moving_mean"), np.zeros(CHANNELS))
         np.testing.assert_array_equal(_moving(layer, updated, "moving_variance"), np.ones(CHANNELS))
         self.assertEqual(float(_moving(layer, updated, "skipped_updates")), 1.0)
@@ -125,16 +125,9 @@ class JaxDistributionTest(parameterized.TestCase):
     @parameterized.named_parameters(("global", None), ("group2", 2))
     def test_large_offset_variance_at_first_step(self, group_size):
         x = (1e4 + np.random.RandomState(1).randn(BATCH, CHANNELS)).astype(np.float32)
-        distribution = _data_parallel()
-        with distribution.scope():
-            layer = _layer(momentum=0.0, synchronized=True, sync_group_size=group_size)
-            step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
-            _, _, updated = step(
-                trainable,
-                non_trainable,
-                _distribute(distribution, x),
-                _distribute(distribution, UPSTREAM),
-            )
+        layer, _, _, updated = _training_step(
+            x, momentum=0.0, synchronized=True, sync_group_size=group_size
+        )
         slices = 1 if group_size is None else REPLICAS // group_size
         expected = references.reference_sliced_batch_norm(x, UPSTREAM, GAMMA, BETA, slices, EPSILON)
         np.testing.assert_allclose(
