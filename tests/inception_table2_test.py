@@ -6,7 +6,6 @@ import tempfile
 
 from absl import flags
 from absl.testing import absltest
-from absl.testing import flagsaver
 from absl.testing import parameterized
 import pytest
 
@@ -97,14 +96,14 @@ class AllFlagsTest(parameterized.TestCase):
         "--learning_rate=0.1", "--dropout=0.2", "--weight_decay=0.0", "--lr_decay_steps=10"
     )
     def test_all_refuses_recipe_overrides(self, override):
-        with flagsaver.flagsaver():
+        with flag_state.trainer_flags(inception_bn):
             with self.assertRaisesRegex(
                 flags.IllegalFlagValueError, r"--variant=all trains every variant with its own"
             ):
                 flags.FLAGS(["prog", "--variant=all", override])
 
     def test_inception_x5_needs_all(self):
-        with flagsaver.flagsaver():
+        with flag_state.trainer_flags(inception_bn):
             with self.assertRaisesRegex(flags.IllegalFlagValueError, r"--with_inception_x5 adds"):
                 flags.FLAGS(["prog", "--variant=bn_x5", "--with_inception_x5"])
 
@@ -114,7 +113,7 @@ class AllFlagsTest(parameterized.TestCase):
         ["--variant=bn_x5", "--lr_decay_steps=10"],
     )
     def test_accepted_combinations(self, *args):
-        with flagsaver.flagsaver():
+        with flag_state.trainer_flags(inception_bn):
             flags.FLAGS(["prog", *args])
             self.assertEqual(flags.FLAGS.variant, args[0].split("=")[1])
 
