@@ -188,7 +188,7 @@ class BackendTest(parameterized.TestCase):
             [
                 keras.Input((6,)),
                 keras.layers.Dense(5),
-                keras_bn.BatchNormalization(name="bn"),
+                keras_bn.BatchNormalization(name="bn", count_skipped_updates=True),
                 keras.layers.Dense(1),
             ]
         )
@@ -205,6 +205,49 @@ class BackendTest(parameterized.TestCase):
             tags["bn/train_inference_gap"][-1][1], health["train_inference_gap"], places=4
         )
         self.assertTrue(all(np.isfinite(v) for v in health.values()))
+
+    def test_masked_out_nan_reaches_no_other_output_nor_statistic(self):
+        x, mask = _data((4, 8, 3), 11), np.ones((4, 8), bool)
+        mask[1, 5:] = False
+        clean = keras_bn.BatchNormalization(momentum=0.0)
+        expected = keras.ops.convert_to_numpy(clean(x, training=True, mask=mask))
+        dirty_x = x.copy()
+        dirty_x[1, 6, 0] = np.nan  # A masked-out value.
+        dirty_x[1, 7, 2] = np.inf
+        layer = keras_bn.BatchNormalization(momentum=0.0, count_skipped_updates=True)
+        y = keras.ops.convert_to_numpy(layer(dirty_x, training=True, mask=mask))
+        self.assertEqual(int(np.sum(~np.isfinite(y))), 2)  # Their own outputs, as in Keras.
+        finite = np.isfinite(y)
+        np.testing.assert_allclose(y[finite], expected[finite], rtol=1e-6, atol=1e-6)
+        for name in ("moving_mean", "moving_variance"):
+            np.testing.assert_allclose(
+                keras.ops.convert_to_numpy(getattr(layer, name)),
+                keras.ops.convert_to_numpy(getattr(clean, name)),
+                rtol=1e-6,
+            )
+        self.assertEqual(float(keras.ops.convert_to_numpy(layer.skipped_updates)), 0.0)
+        # The other values' gradients stay finite and equal the clean ones.
+        weights = np.where(mask[..., None], 1.0, 0.0).astype(np.float32) * _data(x.shape, 12)
+
+        def loss(layer, inputs):
+            y = layer(inputs, training=True, mask=mask)
+            return keras.ops.sum(keras.ops.where(weights != 0, keras.ops.multiply(y, weights), 0.0))
+
+        dx = _input_gradient(lambda v: loss(layer, v), dirty_x)
+        dx_clean = _input_gradient(lambda v: loss(clean, v), x)
+        np.testing.assert_allclose(dx[mask], dx_clean[mask], rtol=1e-4, atol=1e-5)
+
+    def test_empty_batch_with_ghost_batches(self):
+        x = np.zeros((0, 3), np.float32)
+        plain = keras_bn.BatchNormalization()
+        ghost = keras_bn.BatchNormalization(virtual_batch_size=4)
+        for layer in (plain, ghost):
+            y = keras.ops.convert_to_numpy(layer(x, training=True))
+            self.assertEqual(y.shape, (0, 3))
+        for name in ("moving_mean", "moving_variance"):
+            a = keras.ops.convert_to_numpy(getattr(ghost, name))
+            np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(getattr(plain, name)))
+            self.assertTrue(np.all(np.isfinite(a)))
 
     def test_synchronized_needs_a_distribution_engine(self):
         if BACKEND in ("tensorflow", "jax"):

@@ -7,6 +7,7 @@ from keras import ops
 from keras import regularizers
 
 from keras_bn import batch_plan
+from keras_bn import kernels
 from keras_bn import moving_statistics
 from keras_bn import normalize
 from keras_bn import validation
@@ -50,9 +51,23 @@ class BatchNormalization(keras.layers.Layer):
     inference with them. With `skip_nonfinite_updates=True` (the default), a
     training batch whose mean or variance is not finite in any feature
     leaves all moving statistics unchanged (the decision is for the whole
-    update, not per feature) and adds 1 to the non-trainable weight
-    `skipped_updates`. The batch's own output is not altered: its loss is
-    non-finite as it would be anyway.
+    update, not per feature). The batch's own output is not altered: its
+    loss is non-finite as it would be anyway. With
+    `count_skipped_updates=True` the layer also counts the skips in the
+    non-trainable weight `skipped_updates` (logged by `BatchNormMonitor`).
+
+    Weight files. By default the layer holds exactly Keras' weights in
+    Keras' order, so weight files and `get_weights()` lists move between it
+    and `keras.layers.BatchNormalization` both ways. Its own state
+    (`moving_batches`, `num_updates`, `skipped_updates`) is saved and loaded
+    by name (0 when a file has none); a file of other `center`, `scale` or
+    `renorm` settings is refused.
+
+    Kernels. A float32 call with the features on the last axis and no mask,
+    renorm, ghost batches or cross-replica merge runs through the engine's
+    fused kernel where it was measured faster (TensorFlow's FusedBatchNormV3
+    on GPU and oneDNN CPUs, PyTorch's native kernel), else the general path
+    (`keras_bn.kernels` holds the rule), in training and inference.
 
     Warm-up. With `momentum_warmup=True` the momentum of update t (the
     weight `num_updates`) is min(momentum, (1 + t)/(10 + t)), TensorFlow's
@@ -83,9 +98,8 @@ class BatchNormalization(keras.layers.Layer):
     output is in the layer's `compute_dtype`. Integer inputs are cast to the
     statistics' dtype, as Keras does; boolean and complex inputs are refused.
 
-    Backends. Local statistics and ghost batches run on every Keras 3
-    backend; `synchronized=True` needs TensorFlow or JAX. As in Keras, a
-    layer with `trainable=False` always runs in inference mode.
+    Backends. Everything runs on every Keras 3 backend but `synchronized`
+    (TensorFlow, JAX). `trainable=False` means inference mode, as in Keras.
 
     Args:
         axis: int or list/tuple of ints, default -1. The feature axes, which
@@ -114,12 +128,17 @@ class BatchNormalization(keras.layers.Layer):
             missing ones mean no clipping on that side.
         renorm_momentum: float in [0, 1), default 0.99. Momentum of
             `renorm_mean` and `renorm_stddev`.
-        skip_nonfinite_updates: bool, default True. Skip (and count) the
-            update of a batch with non-finite statistics. Turn it off to
-            keep Keras' exact weights (no `skipped_updates`) or to let a
+        skip_nonfinite_updates: bool, default True. Skip the update of a
+            batch with non-finite statistics. Turn it off to let a
             non-finite batch show in the moving statistics while debugging.
+        count_skipped_updates: bool, default False. Count the skipped
+            updates in the non-trainable weight `skipped_updates` (one weight
+            more than Keras' layer); needs `skip_nonfinite_updates=True`.
         momentum_warmup: bool, default False. Warm the momentum up over the
             first updates; needs a float `momentum`.
+        fused: bool or `None`, default None. `None` uses the engine's fused
+            kernel where the rule above picks it, `False` never (the general
+            path), `True` requires it (a `ValueError` where it cannot run).
         beta_initializer: default "zeros".
         gamma_initializer: default "ones".
         moving_mean_initializer: default "zeros".
@@ -138,8 +157,9 @@ class BatchNormalization(keras.layers.Layer):
         mask: optional boolean tensor of the inputs' rank minus one, which
             broadcasts over their last axis (Keras' convention). Masked-out
             values do not count towards the batch statistics; a fully
-            masked feature keeps its moving statistics. Inference ignores
-            the mask.
+            masked feature keeps its moving statistics. Masked-out values,
+            NaN or inf included, reach neither the statistics nor any
+            other value's output. Inference ignores the mask.
 
     Returns:
         A tensor of the inputs' shape in the layer's `compute_dtype`.
@@ -148,7 +168,9 @@ class BatchNormalization(keras.layers.Layer):
         ValueError: for an invalid argument; at build for an axis out of
             range or an undefined feature dimension; in training for a batch
             whose statistics are over a single value (when known
-            statically), a mask of the wrong rank, `synchronized=True` on
+            statically), a mask whose shape is not the inputs' without
+            their last axis (size-1 dimensions broadcast), when loading a
+            weight file saved with other settings, `synchronized=True` on
             PyTorch, a `sync_group_size` that does not divide the replicas,
             a `virtual_batch_size` that does not divide a replica's batch,
             or (`keras.distribution`) a batch that does not split evenly
@@ -184,7 +206,9 @@ class BatchNormalization(keras.layers.Layer):
         renorm_clipping=None,
         renorm_momentum=0.99,
         skip_nonfinite_updates=True,
+        count_skipped_updates=False,
         momentum_warmup=False,
+        fused=None,
         beta_initializer="zeros",
         gamma_initializer="ones",
         moving_mean_initializer="zeros",
@@ -203,24 +227,19 @@ class BatchNormalization(keras.layers.Layer):
         self.scale = validation.boolean("scale", scale)
         self.unbiased_variance = validation.boolean("unbiased_variance", unbiased_variance)
         self.synchronized = validation.boolean("synchronized", synchronized)
-        self.sync_group_size = validation.sync_group_size(sync_group_size, self.synchronized)
-        self.virtual_batch_size = validation.virtual_batch_size(
-            virtual_batch_size, self.synchronized
-        )
+        self.sync_group_size = validation.sync_group_size(sync_group_size, synchronized)
+        self.virtual_batch_size = validation.virtual_batch_size(virtual_batch_size, synchronized)
         self.renorm = validation.boolean("renorm", renorm)
-        self.renorm_clipping = validation.renorm_clipping(renorm_clipping, self.renorm)
-        self.renorm_momentum = validation.momentum(
-            renorm_momentum, "renorm_momentum", allow_none=False
-        )
+        self.renorm_clipping = validation.renorm_clipping(renorm_clipping, renorm)
+        self.renorm_momentum = validation.momentum(renorm_momentum, "renorm_momentum", False)
         self.skip_nonfinite_updates = validation.boolean(
             "skip_nonfinite_updates", skip_nonfinite_updates
         )
-        self.momentum_warmup = validation.boolean("momentum_warmup", momentum_warmup)
-        if self.momentum_warmup and self.momentum is None:
-            raise ValueError(
-                "momentum_warmup warms up a float momentum; momentum=None already is the exact "
-                "cumulative average. Received: momentum_warmup=True, momentum=None"
-            )
+        self.count_skipped_updates = validation.count_skipped_updates(
+            count_skipped_updates, skip_nonfinite_updates
+        )
+        self.momentum_warmup = validation.momentum_warmup(momentum_warmup, self.momentum)
+        self.fused = validation.optional_bool("fused", fused)
         self.beta_initializer = initializers.get(beta_initializer)
         self.gamma_initializer = initializers.get(gamma_initializer)
         self.moving_mean_initializer = initializers.get(moving_mean_initializer)
@@ -230,11 +249,8 @@ class BatchNormalization(keras.layers.Layer):
         self.beta_constraint = constraints.get(beta_constraint)
         self.gamma_constraint = constraints.get(gamma_constraint)
         self.supports_masking = True
-        self.gamma = self.beta = None
-        self.moving_mean = self.moving_variance = self.moving_batches = None
-        self.moving_stddev = self.renorm_mean = self.renorm_stddev = None
-        self.skipped_updates = self.num_updates = None
-        self._feature_axes = None
+        for name in _KERAS_WEIGHTS + _OWN_STATE + ("_feature_axes",):
+            setattr(self, name, None)  # Set in build() as the settings ask.
 
     @property
     def feature_axes(self):
@@ -246,18 +262,6 @@ class BatchNormalization(keras.layers.Layer):
         """The dtype of the statistics, weights and arithmetic: float64 or float32."""
         return "float64" if self.variable_dtype == "float64" else "float32"
 
-    @property
-    def update_rule(self):
-        """The `moving_statistics.Rule` of this layer's settings."""
-        return moving_statistics.Rule(
-            momentum=self.momentum,
-            unbiased_variance=self.unbiased_variance,
-            epsilon=self.epsilon,
-            renorm_momentum=self.renorm_momentum if self.renorm else None,
-            skip_nonfinite=self.skip_nonfinite_updates,
-            momentum_warmup=self.momentum_warmup,
-        )
-
     def build(self, input_shape):
         rank = len(input_shape)
         self._feature_axes = self._resolve_axes(input_shape)
@@ -266,6 +270,8 @@ class BatchNormalization(keras.layers.Layer):
         self._broadcast_shape = tuple(
             input_shape[i] if i in self._feature_axes else 1 for i in range(rank)
         )
+        # Created in Keras' order (its get_weights() lists fit set_weights()),
+        # this layer's own counters after them.
         if self.scale:
             self.gamma = self._parameter(
                 "gamma",
@@ -285,12 +291,6 @@ class BatchNormalization(keras.layers.Layer):
         self.moving_variance = self._statistic(
             "moving_variance", shape, self.moving_variance_initializer
         )
-        if self.momentum is None:
-            self.moving_batches = self._statistic("moving_batches", (), initializers.Zeros())
-        if self.momentum_warmup:
-            self.num_updates = self._statistic("num_updates", (), initializers.Zeros())
-        if self.skip_nonfinite_updates:
-            self.skipped_updates = self._statistic("skipped_updates", (), initializers.Zeros())
         if self.renorm:
             # Stddevs start at √ of the variance initializer, as in Keras.
             variance_init = self.moving_variance_initializer
@@ -301,6 +301,11 @@ class BatchNormalization(keras.layers.Layer):
             self.moving_stddev = self._statistic("moving_stddev", shape, stddev_initializer)
             self.renorm_mean = self._statistic("renorm_mean", shape, self.moving_mean_initializer)
             self.renorm_stddev = self._statistic("renorm_stddev", shape, stddev_initializer)
+        for name, needed in zip(
+            _OWN_STATE, (self.momentum is None, self.momentum_warmup, self.count_skipped_updates)
+        ):
+            if needed:
+                setattr(self, name, self._statistic(name, (), initializers.Zeros()))
         self.input_spec = keras.layers.InputSpec(
             ndim=rank, axes={a: input_shape[a] for a in self._feature_axes}
         )
@@ -361,72 +366,44 @@ class BatchNormalization(keras.layers.Layer):
         return input_shape
 
     def call(self, inputs, training=None, mask=None):
-        if training and self.trainable:
-            return self.training_step(inputs, mask)
-        y = normalize.normalize_with_statistics(
-            self._statistics_input(inputs),
-            self._broadcast(self.moving_mean, 0.0),
-            self._broadcast(self.moving_variance, 1.0),
-            self._broadcast(self.gamma, 1.0),
-            self._broadcast(self.beta, 0.0),
-            self.epsilon,
-        )
-        return ops.cast(y, self.compute_dtype)
-
-    def training_step(self, inputs, mask=None, context=None):
-        """The training-mode call: batch statistics, then the moving-statistics update.
-
-        `layer(inputs, training=True)` runs it in the current engine context.
-        Called directly on a built layer, it takes that context as an
-        argument: a `batch_plan.EngineContext` naming the replica context to
-        synchronise over (any object with `num_replicas_in_sync`,
-        `replica_id_in_sync_group` and `all_reduce(op, value)`), or the
-        replicas on a `keras.distribution` batch axis.
-
-        Args:
-            inputs: as for a call.
-            mask: as for a call.
-            context: `None` for `batch_plan.current_context(synchronized)`,
-                else a `batch_plan.EngineContext`.
-
-        Returns:
-            The normalised inputs in the layer's `compute_dtype`.
-        """
         x = self._statistics_input(inputs)
+        if not (training and self.trainable):
+            return ops.cast(self._infer(x), self.compute_dtype)
         weights = self._mask_weights(x, mask)
         if weights is None:
             self._check_static_count(x.shape)
         plan = batch_plan.make_plan(
-            context or batch_plan.current_context(self.synchronized),
+            batch_plan.current_context(self.synchronized),
             x.shape[0],
             batch_reduced=0 in self._reduction_axes,
             synchronized=self.synchronized,
             group_size=self.sync_group_size,
             virtual_batch_size=self.virtual_batch_size,
+            fused=self.fused,
         )
-        x = plan.split(x)
-        weights = plan.split_weights(weights, x)
-        gamma = plan.per_slice(self._broadcast(self.gamma, 1.0))
-        beta = plan.per_slice(self._broadcast(self.beta, 0.0))
-        axes = plan.axes(self._reduction_axes)
-        count, mean, variance = plan.moments(x, axes, weights)
-        if self.renorm:
-            r, d = self._renorm_correction(mean, variance)
-            gamma, beta = gamma * r, beta + gamma * d
-        y = normalize.normalize_with_batch_statistics(
+        y, (count, mean, variance) = plan.normalize(
             x,
-            gamma,
-            beta,
-            mean,
-            variance,
-            count,
-            axes=axes,
+            self._broadcast(self.gamma, 1.0),
+            self._broadcast(self.beta, 0.0),
+            reduction_axes=self._reduction_axes,
             epsilon=self.epsilon,
             weights=weights,
-            groups=plan.groups,
+            correction=self._renorm_correction if self.renorm else None,
         )
-        self._update_moving_statistics(*plan.pool(count, mean, variance))
-        return ops.cast(plan.merge(y), self.compute_dtype)
+        self._update_moving_statistics(count, mean, variance)
+        return ops.cast(y, self.compute_dtype)
+
+    def _infer(self, x):
+        statistics = [
+            self._broadcast(self.moving_mean, 0.0),
+            self._broadcast(self.moving_variance, 1.0),
+            self._broadcast(self.gamma, 1.0),
+            self._broadcast(self.beta, 0.0),
+        ]
+        kernel = kernels.choose(x, self._reduction_axes, self.epsilon, fused=self.fused, plain=True)
+        if kernel is not None:
+            return kernel.infer(x, *[ops.reshape(s, (-1,)) for s in statistics], self.epsilon)
+        return normalize.normalize_with_statistics(x, *statistics, self.epsilon)
 
     def _statistics_input(self, inputs):
         """`inputs` in the statistics' dtype; integers are cast, bool and complex refused."""
@@ -438,10 +415,19 @@ class BatchNormalization(keras.layers.Layer):
         return ops.cast(inputs, self.statistics_dtype)
 
     def _update_moving_statistics(self, count, mean, variance):
-        """Moves the statistics towards a batch's `(count, mean, variance)`."""
+        """Moves the statistics towards a batch's pooled `(count, mean, variance)`."""
+        rule = moving_statistics.Rule(
+            momentum=self.momentum,
+            unbiased_variance=self.unbiased_variance,
+            epsilon=self.epsilon,
+            renorm_momentum=self.renorm_momentum if self.renorm else None,
+            skip_nonfinite=self.skip_nonfinite_updates,
+            count_skipped=self.count_skipped_updates,
+            momentum_warmup=self.momentum_warmup,
+        )
         state = {v.name: v for v in self.non_trainable_variables}
         new = moving_statistics.update(
-            self.update_rule,
+            rule,
             {name: v.value for name, v in state.items()},
             ops.reshape(mean, self.moving_mean.shape),
             ops.reshape(variance, self.moving_mean.shape),
@@ -467,13 +453,15 @@ class BatchNormalization(keras.layers.Layer):
         """The mask as 0/1 weights of `x`'s rank, or `None` without a mask."""
         if mask is None:
             return None
-        rank = len(x.shape)
-        if len(mask.shape) != rank - 1:
+        expected = tuple(x.shape[:-1])
+        mismatch = len(mask.shape) != len(expected) or any(
+            m not in (None, 1, e) and e is not None for m, e in zip(mask.shape, expected)
+        )
+        if mismatch:
             raise ValueError(
-                "The mask must have one dimension less than the inputs "
-                "(it broadcasts over their last axis). "
-                f"Received: mask.shape={tuple(mask.shape)}, "
-                f"inputs.shape={tuple(x.shape)}"
+                f"Expected `mask` of shape {expected} (the inputs' shape without their last "
+                "axis, size-1 dimensions broadcasting). "
+                f"Received: mask.shape={tuple(mask.shape)}, inputs.shape={tuple(x.shape)}"
             )
         return ops.expand_dims(ops.cast(mask, x.dtype), -1)
 
@@ -512,6 +500,43 @@ class BatchNormalization(keras.layers.Layer):
                 f"Received: inputs.shape={tuple(shape)}"
             )
 
+    def save_own_variables(self, store):
+        """Saves Keras' weights under Keras' numbered keys, this layer's own state by name."""
+        for i, variable in enumerate(self._keras_weights()):
+            store[str(i)] = variable
+        for name in _OWN_STATE:
+            if getattr(self, name) is not None:
+                store[name] = getattr(self, name)
+
+    def load_own_variables(self, store):
+        """Loads a file of this layer or of `keras.layers.BatchNormalization`, by name.
+
+        Raises:
+            ValueError: when the file's Keras-ordered weights are not this
+                layer's (other `center`, `scale` or `renorm` settings), or it
+                holds state this layer does not know.
+        """
+        keys = list(store.keys())
+        numbered = sorted((k for k in keys if k.isdigit()), key=int)
+        expected = self._keras_weights()
+        unknown = sorted(set(keys) - set(numbered) - set(_OWN_STATE))
+        if numbered != [str(i) for i in range(len(expected))] or unknown:
+            raise ValueError(
+                f"Layer '{self.name}' expects the weights {[v.name for v in expected]} under "
+                f"the keys 0..{len(expected) - 1} and optionally {list(_OWN_STATE)} by name; the "
+                "file was saved from a layer with other settings (center, scale, renorm). "
+                f"Received: keys={keys}"
+            )
+        for i, variable in enumerate(expected):
+            variable.assign(store[str(i)])
+        for name in _OWN_STATE:
+            variable = getattr(self, name)
+            if variable is not None:
+                variable.assign(store[name] if name in keys else ops.zeros((), variable.dtype))
+
+    def _keras_weights(self):
+        return [getattr(self, n) for n in _KERAS_WEIGHTS if getattr(self, n) is not None]
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -529,7 +554,9 @@ class BatchNormalization(keras.layers.Layer):
                 "renorm_clipping": self.renorm_clipping,
                 "renorm_momentum": self.renorm_momentum,
                 "skip_nonfinite_updates": self.skip_nonfinite_updates,
+                "count_skipped_updates": self.count_skipped_updates,
                 "momentum_warmup": self.momentum_warmup,
+                "fused": self.fused,
                 "beta_initializer": initializers.serialize(self.beta_initializer),
                 "gamma_initializer": initializers.serialize(self.gamma_initializer),
                 "moving_mean_initializer": initializers.serialize(self.moving_mean_initializer),
@@ -543,3 +570,17 @@ class BatchNormalization(keras.layers.Layer):
             }
         )
         return config
+
+
+# Keras' weights in Keras' order (its numbered file keys), then this layer's
+# own state, saved by name.
+_KERAS_WEIGHTS = (
+    "gamma",
+    "beta",
+    "moving_mean",
+    "moving_variance",
+    "moving_stddev",
+    "renorm_mean",
+    "renorm_stddev",
+)
+_OWN_STATE = ("moving_batches", "num_updates", "skipped_updates")

@@ -514,6 +514,18 @@ class ValidationTest(parameterized.TestCase):
             TypeError,
             r"Received: skip_nonfinite_updates=0",
         ),
+        (
+            "count_type",
+            {"count_skipped_updates": 1},
+            TypeError,
+            r"Received: count_skipped_updates=1",
+        ),
+        (
+            "count_without_guard",
+            {"count_skipped_updates": True, "skip_nonfinite_updates": False},
+            ValueError,
+            r"Received: count_skipped_updates=True, skip_nonfinite_updates=False",
+        ),
         ("warmup_type", {"momentum_warmup": "on"}, TypeError, r"Received: momentum_warmup='on'"),
         (
             "warmup_cumulative",
@@ -566,12 +578,16 @@ class ValidationTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, r"m=1.*Received: inputs.shape=\(1, 3\)"):
             BatchNormalization()(np.ones((1, 3), np.float32), training=True)
 
-    def test_mask_rank(self):
-        with self.assertRaisesRegex(
-            ValueError, r"one dimension less.*Received: mask.shape=\(2, 5, 3\)"
-        ):
+    @parameterized.named_parameters(
+        ("rank", (2, 5, 3)),
+        ("length", (4, 5)),
+    )
+    def test_mask_shape(self, mask_shape):
+        received = ", ".join(map(str, mask_shape))
+        shapes = rf"Received: mask.shape=\({received}\), inputs.shape=\(2, 5, 3\)"
+        with self.assertRaisesRegex(ValueError, r"Expected `mask` of shape \(2, 5\).*" + shapes):
             BatchNormalization()(
-                np.ones((2, 5, 3), np.float32), training=True, mask=np.ones((2, 5, 3), bool)
+                np.ones((2, 5, 3), np.float32), training=True, mask=np.ones(mask_shape, bool)
             )
 
 

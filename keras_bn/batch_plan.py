@@ -15,6 +15,11 @@ its own moments, and merges moments across `tf.distribute` replicas:
 - `tf.distribute`, where a replica sees only its own batch: S = 1, and
   `synchronized=True` merges the replicas' moments (`moments.ReplicaGroups`).
 
+`BatchPlan.normalize` then runs the whole training-mode normalisation in that
+partition (split, moments, merge across replicas, normalise, merge the
+slices, pool their moments for the moving statistics): the layer calls it
+once per training call.
+
 A slice is a reshape of the batch axis into (S, B/S), so XLA's SPMD
 partitioner keeps it on the devices that hold its examples: slices within one
 replica need no collective, and groups need one only within the group.
@@ -26,6 +31,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_bn import kernels
 from keras_bn import moments
 from keras_bn import normalize
 
@@ -96,17 +102,71 @@ class BatchPlan:
         slice_size: the ghost batch size v, or `None`.
         groups: `None`, or the `moments.ReplicaGroups` that merges moments
             and gradient sums across `tf.distribute` replicas.
+        fused: the layer's `fused` (`kernels.choose` decides the kernel).
     """
 
     slices: int | None = 1
     slice_size: int | None = None
     groups: moments.ReplicaGroups | None = None
+    fused: bool | None = None
 
     @property
     def sliced(self):
         return self.slices != 1
 
-    def split(self, x):
+    def normalize(self, x, gamma, beta, *, reduction_axes, epsilon, weights=None, correction=None):
+        """One training call's normalisation, in the plan's partition.
+
+        Splits the batch into its slices, takes each slice's moments (merged
+        across replicas by `groups`), normalises every slice with its own
+        moments (gradients through them), merges the slices back and pools
+        their moments for the moving statistics. A call with none of these
+        (one slice, no merge, no mask, no correction) runs through the
+        engine's fused kernel where `kernels.choose` picks one.
+
+        Args:
+            x: the input in the statistics' dtype, of the layer's rank.
+            gamma, beta: the scale and offset, broadcastable to `x` (size 1
+                on the reduced axes).
+            reduction_axes: the axes of `x` the statistics reduce.
+            epsilon: the layer's ε.
+            weights: `None`, or the mask's 0/1 weights of `x`'s rank.
+            correction: `None`, or a function from a slice's `(mean,
+                variance)` to Batch Renormalization's `(r, d)`, which turn the
+                transform into γ (r x̂ + d) + β.
+
+        Returns:
+            `(y, (count, mean, variance))`: the output, shaped as `x`, and
+            the moments pooled over the slices (see `_pool`), per feature.
+        """
+        plain = not self.sliced and self.groups is None and weights is None and not correction
+        kernel = kernels.choose(x, reduction_axes, epsilon, fused=self.fused, plain=plain)
+        if kernel is not None:
+            return kernel.train(x, ops.reshape(gamma, (-1,)), ops.reshape(beta, (-1,)), epsilon)
+        x = self._split(x)
+        weights = self._split_weights(weights, x)
+        if self.sliced:  # γ and β broadcast over the slice axis too.
+            gamma, beta = ops.expand_dims(gamma, 0), ops.expand_dims(beta, 0)
+        axes = self._axes(reduction_axes)
+        count, mean, variance = normalize.batch_moments(x, axes, weights, self.groups)
+        if correction is not None:
+            r, d = correction(mean, variance)
+            gamma, beta = gamma * r, beta + gamma * d
+        y = normalize.normalize_with_batch_statistics(
+            x,
+            gamma,
+            beta,
+            mean,
+            variance,
+            count,
+            axes=axes,
+            epsilon=epsilon,
+            weights=weights,
+            groups=self.groups,
+        )
+        return self._merge(y), self._pool(count, mean, variance)
+
+    def _split(self, x):
         """(B, ...) → (S, B/S, ...); the identity when not sliced."""
         if not self.sliced:
             return x
@@ -117,34 +177,26 @@ class BatchPlan:
             )
         return ops.reshape(x, (self.slices, shape[0] // self.slices, *shape[1:]))
 
-    def merge(self, y):
-        """The inverse of `split`."""
+    def _merge(self, y):
+        """The inverse of `_split`."""
         if not self.sliced:
             return y
         return ops.reshape(y, (-1, *ops.shape(y)[2:]))
 
-    def axes(self, reduction_axes):
-        """The reduction axes after `split` (a leading slice axis is kept)."""
+    def _axes(self, reduction_axes):
+        """The reduction axes after `_split` (a leading slice axis is kept)."""
         if not self.sliced:
             return reduction_axes
         return (1,) + tuple(a + 1 for a in reduction_axes if a != 0)
 
-    def per_slice(self, value):
-        """A feature-shaped broadcast value (γ, β) made to broadcast over the slices."""
-        return ops.expand_dims(value, 0) if self.sliced else value
-
-    def split_weights(self, weights, x):
+    def _split_weights(self, weights, x):
         """A mask's 0/1 weights split like `x` (already split), or `None`."""
         if weights is None or not self.sliced:
             return weights
         batch = ops.shape(x)[0] * ops.shape(x)[1]
-        return self.split(ops.broadcast_to(weights, (batch, *weights.shape[1:])))
+        return self._split(ops.broadcast_to(weights, (batch, *weights.shape[1:])))
 
-    def moments(self, x, axes, weights=None):
-        """`(count, mean, variance)` of split `x` per slice, merged across replicas."""
-        return normalize.batch_moments(x, axes, weights, self.groups)
-
-    def pool(self, count, mean, variance):
+    def _pool(self, count, mean, variance):
         """Per-slice moments pooled for the moving statistics.
 
         Returns the count-weighted mean of the slices' means and of their
@@ -165,18 +217,20 @@ class BatchPlan:
         return ops.divide_no_nan(total, nonempty), pooled_mean, pooled_variance
 
 
-def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size):
+def make_plan(
+    context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size, fused=None
+):
     """The `BatchPlan` of one training call.
 
     Args:
-        context: the `EngineContext` (`current_context(synchronized)`; tests
-            pass stand-ins).
+        context: the `EngineContext` (`current_context(synchronized)`).
         batch_size: int, or `None` when known only at run time.
         batch_reduced: whether the statistics reduce the batch axis 0 (it is
             not a feature axis).
         synchronized: the layer's `synchronized`.
         group_size: the layer's `sync_group_size` (`None`: all replicas).
         virtual_batch_size: the layer's `virtual_batch_size` or `None`.
+        fused: the layer's `fused`, kept for `BatchPlan.normalize`.
 
     Raises:
         ValueError: when the mesh's replicas do not divide the batch, the
@@ -194,16 +248,16 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
     if synchronized and context.replica_context is not None and replicas > 1 and group_size != 1:
         groups = moments.ReplicaGroups(context.replica_context, group_size)
     if not batch_reduced:
-        return BatchPlan(groups=groups)
+        return BatchPlan(fused=fused, groups=groups)
     mesh = context.mesh_replicas
     if mesh > 1 and (batch_size is None or batch_size % mesh):
         raise ValueError(
             f"The batch of {batch_size} examples must split evenly over the {mesh} replicas "
             f"on the distribution's batch axis. Received: batch_size={batch_size}, replicas={mesh}"
         )
-    if virtual_batch_size is not None:
+    if virtual_batch_size is not None and batch_size != 0:
         if batch_size is None:
-            return BatchPlan(slices=None, slice_size=virtual_batch_size, groups=groups)
+            return BatchPlan(fused=fused, slices=None, slice_size=virtual_batch_size, groups=groups)
         per_replica = batch_size // mesh
         if per_replica % virtual_batch_size:
             raise ValueError(
@@ -211,14 +265,16 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
                 f"{per_replica} examples. Received: virtual_batch_size={virtual_batch_size}, "
                 f"per-replica batch={per_replica}"
             )
-        return BatchPlan(slices=batch_size // virtual_batch_size, slice_size=virtual_batch_size)
+        return BatchPlan(
+            fused=fused, slices=batch_size // virtual_batch_size, slice_size=virtual_batch_size
+        )
     if mesh == 1:
         # One replica: its batch is the whole batch, whatever the grouping
         # (as under tf.distribute without a strategy).
-        return BatchPlan(groups=groups)
+        return BatchPlan(fused=fused, groups=groups)
     if not synchronized:
-        return BatchPlan(slices=mesh)
-    return BatchPlan(slices=mesh // (group_size or mesh))
+        return BatchPlan(fused=fused, slices=mesh)
+    return BatchPlan(fused=fused, slices=mesh // (group_size or mesh))
 
 
 def _assert_divisible(x, size):

@@ -62,9 +62,8 @@ class ConvertTest(parameterized.TestCase):
         converted = keras_bn.convert_batch_norm(model)
         self.assertEqual(_bn_classes(converted), [keras_bn.BatchNormalization] * 3)
         np.testing.assert_allclose(converted(x, training=False), before, rtol=1e-5, atol=1e-5)
-        # The same parameters, plus the skipped_updates counter of each of the two
-        # converted Keras layers (skip_nonfinite_updates=True by default).
-        self.assertEqual(converted.count_params(), model.count_params() + 2)
+        # The same parameters: the default keras_bn layer holds Keras' weights.
+        self.assertEqual(converted.count_params(), model.count_params())
         inner_bn = converted.get_layer("inner").get_layer("inner_bn")
         self.assertTrue(inner_bn.renorm)
         self.assertEqual(inner_bn.renorm_clipping, {"rmax": 2.0})
@@ -154,9 +153,8 @@ def _check_application(test, build, synchronised_step=True):
     np.testing.assert_allclose(
         converted(x, training=False), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()
     )
-    # The same parameters plus each converted layer's skipped_updates counter.
-    batch_norms = [x for x in model.layers if isinstance(x, keras.layers.BatchNormalization)]
-    test.assertEqual(converted.count_params(), model.count_params() + len(batch_norms))
+    # The same parameters: the default keras_bn layer holds Keras' weights.
+    test.assertEqual(converted.count_params(), model.count_params())
     if synchronised_step:
         _check_synchronised_step(test, model, x, 10)
 

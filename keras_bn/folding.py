@@ -113,16 +113,19 @@ def fold_batch_norm(model):
     it, using the inference-mode transform
         s = γ / √(moving_variance + ε),
         W' = W · s (per output channel),   b' = (b − moving_mean) · s + β,
-    and replaced by a `FoldedBatchNorm` identity layer. Every other layer is copied with its
-    weights; the original model is left untouched and shares no variables
-    with the copy.
+    and replaced by a `FoldedBatchNorm` identity layer. Nested Sequential and
+    functional models are folded the same way, each on its own (a pair is
+    folded when both layers are in the same model). The folded weights are
+    computed in float64 and stored in each layer's own dtype, so a float64
+    model stays float64. Every other layer is copied with its weights; the
+    original model is left untouched and shares no variables with the copy.
 
     Args:
         model: a built `keras.Sequential` or functional `keras.Model`.
 
     Returns:
         A new model whose outputs equal `model(x, training=False)` up to
-        float32 rounding.
+        the rounding of the model's dtype.
 
     Raises:
         ValueError: if `model` is not a built Sequential/functional model.
@@ -140,7 +143,9 @@ def fold_batch_norm(model):
 
     def clone(layer):
         if layer.name in folded_bns:
-            return FoldedBatchNorm(name=layer.name)
+            return FoldedBatchNorm(name=layer.name, dtype=layer.dtype_policy)
+        if isinstance(layer, keras.Model) and hasattr(layer, "inputs"):
+            return fold_batch_norm(layer)  # Folded and filled with its weights.
         config = layer.get_config()
         if layer.name in pairs:
             config["use_bias"] = True
@@ -150,19 +155,27 @@ def fold_batch_norm(model):
     for layer in model.layers:
         if layer.name in folded_bns or not layer.weights:
             continue  # Input layers have no weights and get new names.
+        if isinstance(layer, keras.Model) and hasattr(layer, "inputs"):
+            continue  # Its folded clone holds its weights already.
         target = folded.get_layer(layer.name)
-        if layer.name not in pairs:
+        if layer.name in pairs:
+            _fold_into(target, layer, pairs[layer.name])
+        else:
             target.set_weights(layer.get_weights())
-            continue
-        bn = pairs[layer.name]
-        kernel = np.asarray(layer.kernel, np.float64)
-        bias = np.asarray(layer.bias, np.float64) if layer.use_bias else np.zeros(kernel.shape[-1])
-        variance = np.asarray(bn.moving_variance, np.float64)
-        scale = 1.0 / np.sqrt(variance + bn.epsilon)
-        if bn.scale:
-            scale = scale * np.asarray(bn.gamma, np.float64)
-        offset = np.asarray(bn.beta, np.float64) if bn.center else 0.0
-        mean = np.asarray(bn.moving_mean, np.float64)
-        target.kernel.assign((kernel * scale).astype(np.float32))
-        target.bias.assign(((bias - mean) * scale + offset).astype(np.float32))
     return folded
+
+
+def _fold_into(target, producer, bn):
+    """Writes `producer`'s kernel and bias with `bn` folded in into `target`."""
+
+    def value(variable):
+        return np.asarray(keras.ops.convert_to_numpy(variable), np.float64)
+
+    kernel = value(producer.kernel)
+    bias = value(producer.bias) if producer.use_bias else np.zeros(kernel.shape[-1])
+    scale = 1.0 / np.sqrt(value(bn.moving_variance) + bn.epsilon)
+    if bn.scale:
+        scale = scale * value(bn.gamma)
+    offset = value(bn.beta) if bn.center else 0.0
+    target.kernel.assign((kernel * scale).astype(target.kernel.dtype))
+    target.bias.assign(((bias - value(bn.moving_mean)) * scale + offset).astype(target.bias.dtype))

@@ -7,22 +7,19 @@ import numpy as np
 
 import keras_bn
 from keras_bn import folding
+from keras_bn import population
 
 
 def _randomize_statistics(model, seed):
+    """Random γ, β and moving statistics for every keras_bn layer, nested ones too."""
     rng = np.random.RandomState(seed)
-    for layer in model.layers:
-        if isinstance(layer, keras_bn.BatchNormalization):
-            for weight in layer.weights:
-                shape = weight.shape
-                if weight.name == "moving_variance":
-                    weight.assign(rng.uniform(0.2, 3.0, shape).astype(np.float32))
-                elif weight.name not in (
-                    "moving_batches",
-                    "skipped_updates",
-                    "num_updates",
-                ):  # counters
-                    weight.assign(rng.randn(*shape).astype(np.float32))
+    for layer in population.batch_norm_layers(model):
+        for weight in layer.weights:
+            shape, dtype = weight.shape, weight.dtype
+            if weight.name == "moving_variance":
+                weight.assign(rng.uniform(0.2, 3.0, shape).astype(dtype))
+            elif weight.name not in ("moving_batches", "skipped_updates", "num_updates"):
+                weight.assign(rng.randn(*shape).astype(dtype))
 
 
 def _cpu_runs_nchw_conv():
@@ -40,12 +37,12 @@ def _cpu_runs_nchw_conv():
 
 
 class FoldTest(parameterized.TestCase):
-    def _check(self, model, x, expected_identity):
+    def _check(self, model, x, expected_identity, rtol=1e-5):
         _randomize_statistics(model, 0)
         folded = keras_bn.fold_batch_norm(model)
         expected = model(x, training=False).numpy()
         np.testing.assert_allclose(
-            folded(x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()
+            folded(x), expected, rtol=rtol, atol=rtol * np.abs(expected).max()
         )
         identities = [x.name for x in folded.layers if isinstance(x, folding.FoldedBatchNorm)]
         self.assertCountEqual(identities, expected_identity)
@@ -133,6 +130,61 @@ class FoldTest(parameterized.TestCase):
         x = np.random.RandomState(2).randn(2, 3, 9, 7).astype(np.float32)
         folded = self._check(self._channels_first_model(), x, ["bn_cf"])
         self.assertIsInstance(folded.get_layer("bn_after_relu"), keras_bn.BatchNormalization)
+
+    def test_float64_model_stays_float64(self):
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(7, dtype="float64", name="dense"),
+                keras_bn.BatchNormalization(dtype="float64", name="bn"),
+            ]
+        )
+        x = np.random.RandomState(3).randn(4, 5)
+        folded = self._check(model, x, ["bn"], rtol=1e-12)
+        self.assertEqual(folded.get_layer("dense").kernel.dtype, "float64")
+        self.assertEqual(folded.get_layer("dense").bias.dtype, "float64")
+
+    def test_nested_sequential_is_folded(self):
+        inner = keras.Sequential(
+            [
+                keras.Input((6, 6, 3)),
+                keras.layers.Conv2D(4, 3, name="inner_conv"),
+                keras_bn.BatchNormalization(name="inner_bn"),
+                keras.layers.ReLU(),
+                keras.layers.Flatten(),
+            ],
+            name="inner",
+        )
+        inputs = keras.Input((6, 6, 3))
+        h = keras.layers.Dense(3, name="outer_dense")(inner(inputs))
+        model = keras.Model(inputs, keras_bn.BatchNormalization(name="outer_bn")(h))
+        x = np.random.RandomState(4).randn(3, 6, 6, 3).astype(np.float32)
+        folded = self._check(model, x, ["outer_bn"])
+        nested = folded.get_layer("inner")
+        self.assertIsInstance(nested.get_layer("inner_bn"), folding.FoldedBatchNorm)
+        self.assertTrue(nested.get_layer("inner_conv").use_bias)
+
+    def test_keras_application_in_float64(self):
+        keras.config.set_dtype_policy("float64")
+        try:
+            keras.utils.set_random_seed(0)
+            application = keras.applications.MobileNetV2(
+                input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3
+            )
+            model = keras_bn.convert_batch_norm(application)
+        finally:
+            keras.config.set_dtype_policy("float32")
+        x = np.random.RandomState(5).rand(2, 32, 32, 3)
+        _randomize_statistics(model, 1)
+        folded = keras_bn.fold_batch_norm(model)
+        expected = model(x, training=False).numpy()
+        np.testing.assert_allclose(folded(x), expected, rtol=1e-10, atol=1e-12)
+        kinds = [type(layer) for layer in folded.layers]
+        # Every Conv2D's BN folds (stem, 16 expansions, 17 projections, the
+        # last conv); the 17 depthwise convolutions' BNs stay.
+        self.assertEqual(kinds.count(folding.FoldedBatchNorm), 35)
+        self.assertEqual(kinds.count(keras_bn.BatchNormalization), 17)
+        self.assertEqual(folded.get_layer("Conv1").kernel.dtype, "float64")
 
     def test_rejects_subclassed_model(self):
         class Net(keras.Model):

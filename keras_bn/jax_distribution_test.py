@@ -117,7 +117,7 @@ class JaxDistributionTest(parameterized.TestCase):
         del slices
         x = X.copy()
         x[BATCH - 1, 2] = np.nan  # Only the last replica's slice is non-finite.
-        layer, _, _, updated = _training_step(x, **kwargs)
+        layer, _, _, updated = _training_step(x, count_skipped_updates=True, **kwargs)
         np.testing.assert_array_equal(_moving(layer, updated, "moving_mean"), np.zeros(CHANNELS))
         np.testing.assert_array_equal(_moving(layer, updated, "moving_variance"), np.ones(CHANNELS))
         self.assertEqual(float(_moving(layer, updated, "skipped_updates")), 1.0)

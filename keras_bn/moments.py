@@ -28,7 +28,8 @@ def local_moments(x, axes, weights=None):
         without weights, else of `x`'s rank with size 1 on `axes` and on
         every feature axis the weights do not vary along; and `mean`, `m2` of
         `x`'s rank with size 1 on `axes`, of `x`'s dtype. An empty batch gives
-        count 0 and zero mean and m2, never NaN.
+        count 0 and zero mean and m2, never NaN; masked-out values, finite
+        or not, do not enter them.
     """
     if weights is None:
         shape = ops.shape(x)
@@ -56,6 +57,8 @@ def local_moments(x, axes, weights=None):
         x_shape = ops.shape(x)
         count_shape = [x_shape[i] if i in axes else weights.shape[i] for i in range(len(x.shape))]
         count = ops.sum(ops.broadcast_to(weights, count_shape), axis=axes, keepdims=True)
+        # A select, not a product: a masked-out NaN or inf times 0 is NaN.
+        x = ops.where(weights > 0.0, x, 0.0)
         mean = ops.divide_no_nan(ops.sum(x * weights, axis=axes, keepdims=True), count)
         m2 = ops.sum(ops.square(x - mean) * weights, axis=axes, keepdims=True)
     return count, mean, m2

@@ -19,11 +19,17 @@ def _model(synchronized=False):
         [
             keras.Input((6,)),
             keras.layers.Dense(5, use_bias=False, name="hidden"),
-            keras_bn.BatchNormalization(synchronized=synchronized, name="bn_a"),
+            keras_bn.BatchNormalization(
+                synchronized=synchronized, count_skipped_updates=True, name="bn_a"
+            ),
             keras.layers.ReLU(),
             keras.layers.Dense(4, use_bias=False),
             keras_bn.BatchNormalization(
-                axis=-1, momentum=0.5, synchronized=synchronized, name="bn_b"
+                axis=-1,
+                momentum=0.5,
+                synchronized=synchronized,
+                count_skipped_updates=True,
+                name="bn_b",
             ),
             keras.layers.Dense(1),
         ]

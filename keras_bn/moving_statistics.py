@@ -24,7 +24,9 @@ class Rule:
         renorm_momentum: Batch Renormalization's momentum, or `None` without
             renorm.
         skip_nonfinite: keep every statistic as it was when the batch's
-            mean or variance has a non-finite value, and count the skip.
+            mean or variance has a non-finite value.
+        count_skipped: count those skips in "skipped_updates" (with
+            `skip_nonfinite`).
         momentum_warmup: use min(momentum, (1 + t)/(10 + t)) at update t
             (TensorFlow's `ExponentialMovingAverage(num_updates=t)` rule).
     """
@@ -34,6 +36,7 @@ class Rule:
     epsilon: float
     renorm_momentum: float | None = None
     skip_nonfinite: bool = False
+    count_skipped: bool = False
     momentum_warmup: bool = False
 
 
@@ -55,14 +58,15 @@ def update(rule, state, mean, variance, count, weight=1.0):
     so early statistics are not dominated by their initial values. With
     `rule.skip_nonfinite` a batch whose mean or variance holds a non-finite
     value in any feature leaves the whole state unchanged (counts, warm-up
-    step and renorm statistics included) and adds 1 to "skipped_updates".
+    step and renorm statistics included); with `rule.count_skipped` it adds 1
+    to "skipped_updates".
 
     Args:
         rule: the `Rule`.
         state: dict of the current values: "moving_mean", "moving_variance",
             and "moving_batches" (with `momentum=None`), "moving_stddev",
             "renorm_mean", "renorm_stddev" (with renorm), "num_updates"
-            (with warm-up), "skipped_updates" (with `skip_nonfinite`).
+            (with warm-up), "skipped_updates" (with `count_skipped`).
         mean: the batch's mean per feature (the statistics' shape).
         variance: its biased variance σ²_B, shaped like `mean`.
         count: the values behind each statistic: a scalar, or per feature.
@@ -107,5 +111,6 @@ def update(rule, state, mean, variance, count, weight=1.0):
     # holds the same merged moments, so all copies skip alike.
     finite = ops.logical_and(ops.all(ops.isfinite(mean)), ops.all(ops.isfinite(variance)))
     kept = {name: ops.where(finite, value, state[name]) for name, value in new.items()}
-    kept["skipped_updates"] = state["skipped_updates"] + 1.0 - ops.cast(finite, mean.dtype)
+    if rule.count_skipped:
+        kept["skipped_updates"] = state["skipped_updates"] + 1.0 - ops.cast(finite, mean.dtype)
     return kept

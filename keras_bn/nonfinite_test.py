@@ -1,5 +1,6 @@
 """Moving statistics you can trust: non-finite batches are skipped, warm-up (TensorFlow)."""
 
+import functools
 import os
 import tempfile
 
@@ -48,7 +49,7 @@ class NonFiniteTest(parameterized.TestCase):
         ("conv_axis_1", {"axis": 1}),
     )
     def test_nan_batch_leaves_statistics_unchanged(self, kwargs):
-        layer = keras_bn.BatchNormalization(**kwargs)
+        layer = keras_bn.BatchNormalization(count_skipped_updates=True, **kwargs)
         good, other, _ = _batches()
         layer(good, training=True)
         before = _state(layer)
@@ -64,7 +65,7 @@ class NonFiniteTest(parameterized.TestCase):
         self.assertEqual(float(layer.skipped_updates), 1.0)
 
     def test_inf_under_a_mask_and_compiled(self):
-        layer = keras_bn.BatchNormalization()
+        layer = keras_bn.BatchNormalization(count_skipped_updates=True)
         x = _batches(1)[0]
         mask = np.ones(x.shape[:-1], bool)
         layer(x, training=True, mask=mask)
@@ -95,7 +96,10 @@ class NonFiniteTest(parameterized.TestCase):
         try:
             for name, norm in (
                 ("keras", keras.layers.BatchNormalization),
-                ("keras_bn", keras_bn.BatchNormalization),
+                (
+                    "keras_bn",
+                    functools.partial(keras_bn.BatchNormalization, count_skipped_updates=True),
+                ),
             ):
                 keras.utils.set_random_seed(1)
                 model = keras.Sequential(
@@ -133,7 +137,7 @@ class NonFiniteTest(parameterized.TestCase):
     def test_synchronized_replicas_all_skip(self, replicas):
         strategy = sync_fixtures.mirrored_cpu_strategy(replicas)
         with strategy.scope():
-            layer = keras_bn.BatchNormalization(synchronized=True)
+            layer = keras_bn.BatchNormalization(synchronized=True, count_skipped_updates=True)
             layer.build((None, 3))
         rng = np.random.RandomState(3)
         parts = [rng.randn(4, 3).astype(np.float32) for _ in range(replicas)]

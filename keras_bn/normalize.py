@@ -80,6 +80,12 @@ def normalize_with_batch_statistics(
             # more full-size tensor per layer until the backward pass costs
             # more memory traffic than the subtraction.
             centered = x - mean
+            if weights is not None:
+                # A masked-out non-finite value's own output is non-finite,
+                # but it must not reach the other values' gradients.
+                centered = ops.where(
+                    ops.logical_or(weights > 0.0, ops.isfinite(centered)), centered, 0.0
+                )
             sum_dy = ops.sum(dy, axis=axes, keepdims=True)
             sum_dy_xhat = ops.sum(dy * centered, axis=axes, keepdims=True) * inv
             group_dy, group_dy_xhat = sum_dy, sum_dy_xhat

@@ -235,8 +235,11 @@ class MirroredTest(parameterized.TestCase):
         layer = BatchNormalization(synchronized=True)
         layer.build((4, 3))
         context = batch_plan.EngineContext(replica_context=NestedFunctionContext(2))
-        with self.assertRaisesRegex(RuntimeError, r"cannot all-reduce its moments here because"):
-            layer.training_step(np.ones((4, 3), np.float32), context=context)
+        with sync_fixtures.engine_context(context):
+            with self.assertRaisesRegex(
+                RuntimeError, r"cannot all-reduce its moments here because"
+            ):
+                layer(np.ones((4, 3), np.float32), training=True)
 
     def test_masked_and_mixed_precision(self):
         x, w = _data((4, 6, 3), 5)

@@ -14,6 +14,11 @@ def boolean(name, value):
     return value
 
 
+def optional_bool(name, value):
+    """`None`, or `value` if it is a bool."""
+    return None if value is None else boolean(name, value)
+
+
 def optional_int(name, value, minimum, why=""):
     """`None`, or `value` as an int >= `minimum`; `why` explains the bound."""
     if value is None:
@@ -134,5 +139,27 @@ def virtual_batch_size(value, synchronized):
             "Ghost batches are sub-batches of one replica's batch, normalised on their own, "
             "while synchronized=True merges batches across replicas; use one or the other. "
             f"Received: virtual_batch_size={value}, synchronized=True"
+        )
+    return value
+
+
+def count_skipped_updates(value, skip_nonfinite_updates):
+    """Whether to count skipped updates: a bool, only with the guard on."""
+    value = boolean("count_skipped_updates", value)
+    if value and not skip_nonfinite_updates:
+        raise ValueError(
+            "count_skipped_updates counts the updates skip_nonfinite_updates skips, and needs "
+            "it on. Received: count_skipped_updates=True, skip_nonfinite_updates=False"
+        )
+    return value
+
+
+def momentum_warmup(value, momentum):
+    """Whether to warm the momentum up: a bool, only with a float momentum."""
+    value = boolean("momentum_warmup", value)
+    if value and momentum is None:
+        raise ValueError(
+            "momentum_warmup warms up a float momentum; momentum=None already is the exact "
+            "cumulative average. Received: momentum_warmup=True, momentum=None"
         )
     return value

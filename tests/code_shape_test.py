@@ -26,6 +26,15 @@ class CodeShapeTest(absltest.TestCase):
         lines = (PACKAGE / "batch_normalization.py").read_text().count("\n")
         self.assertLessEqual(lines, MAX_LAYER_LINES)
 
+    def test_layer_constructor_signature_and_body_fit_the_limit(self):
+        tree = ast.parse((PACKAGE / "batch_normalization.py").read_text())
+        (init,) = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+        ]
+        self.assertLessEqual(init.end_lineno - init.lineno + 1, MAX_FUNCTION_LINES)
+
     def test_no_shipped_function_body_exceeds_the_limit(self):
         long = []
         for path in _shipped_modules():

@@ -4,17 +4,14 @@ The test module shipped in the installed `keras` wheel
 (`keras/src/layers/normalization/batch_normalization_test.py`) is imported at
 test time, and every test of its `BatchNormalizationTest` runs with the
 module's `layers.BatchNormalization` resolving to
-`keras_bn.BatchNormalization` in its Keras-compatible configuration
-(`skip_nonfinite_updates=False`: the guard's `skipped_updates` weight is one
-non-trainable weight more than the suite counts); every other `layers.X`
-stays Keras'. Nothing of Keras' test code is copied here. No test is
-excluded.
+`keras_bn.BatchNormalization` itself, in its default configuration (the
+non-finite guard on); every other `layers.X` stays Keras'. Nothing of Keras'
+test code is copied here. No test is excluded. CI runs it on every backend.
 """
 
 import importlib
 import types
 
-import keras
 import pytest
 
 import keras_bn
@@ -27,14 +24,6 @@ except ImportError as error:  # A Keras build without its tests.
     )
 
 
-@keras.saving.register_keras_serializable(package="keras_bn_tests")
-class KerasCompatibleBatchNormalization(keras_bn.BatchNormalization):
-    """keras_bn's layer with Keras' set of weights: no non-finite guard."""
-
-    def __init__(self, skip_nonfinite_updates=False, **kwargs):
-        super().__init__(skip_nonfinite_updates=skip_nonfinite_updates, **kwargs)
-
-
 class _LayersWithOurs(types.ModuleType):
     """Keras' `layers` module with `BatchNormalization` replaced by ours."""
 
@@ -42,7 +31,7 @@ class _LayersWithOurs(types.ModuleType):
         super().__init__(layers.__name__)
         self._layers = layers
 
-    BatchNormalization = KerasCompatibleBatchNormalization
+    BatchNormalization = keras_bn.BatchNormalization
 
     def __getattr__(self, name):
         return getattr(self._layers, name)
@@ -56,5 +45,5 @@ class KerasSuiteTest(keras_suite.BatchNormalizationTest):
         self.addCleanup(setattr, keras_suite, "layers", original)
 
     def test_substitution_is_in_effect(self):
-        self.assertIs(keras_suite.layers.BatchNormalization, KerasCompatibleBatchNormalization)
-        self.assertTrue(issubclass(KerasCompatibleBatchNormalization, keras_bn.BatchNormalization))
+        self.assertIs(keras_suite.layers.BatchNormalization, keras_bn.BatchNormalization)
+        self.assertTrue(keras_bn.BatchNormalization().skip_nonfinite_updates)

@@ -1,6 +1,7 @@
 """Replica set-ups shared by the synchronisation tests and benchmarks."""
 
 import functools
+from unittest import mock
 
 
 @functools.cache
@@ -56,12 +57,23 @@ class CountingReplicaContext:
         return value
 
 
+def engine_context(context):
+    """Runs training calls in `context`, as Keras' tests patch a distribution.
+
+    Patches `batch_plan.current_context`, the one place a layer looks up
+    where it runs; use as a `with` block.
+    """
+    from keras_bn import batch_plan
+
+    return mock.patch.object(batch_plan, "current_context", return_value=context)
+
+
 def count_all_reduces(layer, x, num_replicas):
     """Counts one training call's all-reduce floats, forward and backward.
 
-    Runs the layer's training step (`layer.training_step`) and the gradient
-    with respect to `x` with a `CountingReplicaContext` playing replica 0 of
-    `num_replicas` as its engine context.
+    Runs the layer in training mode and the gradient with respect to `x`
+    with a `CountingReplicaContext` playing replica 0 of `num_replicas` as
+    its engine context (`engine_context` patches the lookup).
 
     Returns:
         `(forward, backward)`: the element counts of each all-reduce.
@@ -76,7 +88,8 @@ def count_all_reduces(layer, x, num_replicas):
         layer.build(x.shape)
     with tf.GradientTape() as tape:
         tape.watch(x)
-        y = layer.training_step(x, context=batch_plan.EngineContext(replica_context=context))
+        with engine_context(batch_plan.EngineContext(replica_context=context)):
+            y = layer(x, training=True)
     forward = list(context.floats)
     tape.gradient(y, x)
     return forward, context.floats[len(forward) :]

@@ -58,6 +58,9 @@ class _Builder:
         self.batch_norm_options = dict(synchronized=sync_batch_norm, epsilon=1e-3)
         if sync_group_size is not None:  # keras_bn only; Keras' layer has no groups.
             self.batch_norm_options["sync_group_size"] = sync_group_size
+        if self.batch_norm_layer is keras_bn.BatchNormalization:
+            # The run's TensorBoard shows each layer's skipped updates.
+            self.batch_norm_options["count_skipped_updates"] = True
 
     def conv(self, x, filters, kernel, strides=1, name=None, separable=False):
         common = dict(strides=strides, padding="same", use_bias=not self.batch_norm, name=name)

@@ -47,6 +47,8 @@ def build_model(
             "synchronized": sync_batch_norm,
             "sync_group_size": sync_group_size,
             "momentum_warmup": momentum_warmup,
+            # The run's TensorBoard shows each layer's skipped updates.
+            "count_skipped_updates": True,
         }
     elif sync_batch_norm or sync_group_size is not None or momentum_warmup:
         raise ValueError(

@@ -2,8 +2,6 @@
 
 import json
 
-from absl import logging
-import keras
 import tensorflow as tf
 
 import keras_bn
@@ -39,25 +37,12 @@ def flag_values(flag_holders):
 
 
 def make_monitor(model, probe_data, group_by=None):
-    """A `keras_bn.BatchNormMonitor` of `model` on `probe_data`, or None where it cannot probe.
+    """A `keras_bn.BatchNormMonitor` of `model` on `probe_data`, probed once here.
 
-    Off TensorFlow the monitor's probe is tried once here: where it fails
-    (its TensorFlow-compiled probe cannot call a model of another backend),
-    the run goes on without BN health summaries and says so in the log.
+    The monitor works on every Keras backend. Its first probe runs before
+    training starts, so a model it cannot read (no keras_bn layer, inputs it
+    cannot reach) stops the run at once with the monitor's own error.
     """
     monitor = keras_bn.BatchNormMonitor(None, probe_data, group_by=group_by)
-    if keras.backend.backend() == "tensorflow":
-        return monitor
-    try:
-        monitor.health(model)
-    except Exception as error:  # noqa: BLE001  (any failure of the probe: logged, then skipped)
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        logging.warning(
-            "BatchNormMonitor does not run under KERAS_BACKEND=%s (%s: %s); this run logs "
-            "no bn_* health summaries.",
-            keras.backend.backend(),
-            type(error).__name__,
-            first_line,
-        )
-        return None
+    monitor.health(model)
     return monitor
