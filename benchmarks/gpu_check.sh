@@ -5,11 +5,12 @@
 # with a CUDA build of TensorFlow), from the repository root:
 #     bash benchmarks/gpu_check.sh
 # With one physical GPU it splits GPU 0 into 2 logical GPUs (--num_gpu_devices)
-# so the synchronised runs have 2 replicas. It runs the layer benchmark, the
+# so the synchronised runs have 2 replicas. It runs the comparison with the
+# fused kernels (benchmarks/kernel_speed.py, TensorFlow), the layer benchmark, the
 # sync benchmark and a 20-step Inception smoke under MirroredStrategy with
 # --sync_batch_norm (without --jit_compile: the trainer refuses that pair under
 # mirrored, see README) and with --jit_compile on local moments, then prints one
-# table. Each step is bounded so the whole check stays under 8 minutes.
+# table. Each step is bounded so the whole check stays under 13 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL=2
@@ -36,6 +37,7 @@ run() {  # name, timeout seconds, command...
   echo "$name|$?|$((SECONDS - start))" >>"$out/status.txt"
 }
 
+run kernel_speed 300 python -m benchmarks.kernel_speed --engines=tensorflow --rounds=5
 run layer_speed 90 python -m benchmarks.layer_speed --rounds 5
 run layer_speed_xla 90 python -m benchmarks.layer_speed --rounds 5 --jit_compile
 run sync_speed 90 python -m benchmarks.sync_speed --device=GPU --replicas=2 --rounds 7
@@ -52,6 +54,8 @@ while IFS='|' read -r name code seconds; do
     layer_speed*) result=$(grep -E '^ *\(' "$out/$name.log" \
                              | awk '{s=""; for (i = 1; i <= NF - 5; i++) s = s $i; printf "%s ratio %s; ", s, $(NF - 2)}') ;;
     sync_speed) result=$(grep -E 'ratio' "$out/$name.log" | tail -1) ;;
+    kernel_speed) result=$(grep -E '^tensorflow .* keras_bn  ' "$out/$name.log" \
+                             | awk '{printf "%s %s; ", $2, $(NF - 2)}') ;;
     inception*) result=$(python -c "import json,sys; s=json.load(open(sys.argv[1])); f=s['final']; print(f\"loss {f['loss']:.3f}, {f['images_per_sec']:.1f} images/s\")" "$out/${name#inception_}/summary.json" 2>/dev/null \
                           || echo "no summary") ;;
   esac

@@ -394,15 +394,11 @@ class BatchNormalization(keras.layers.Layer):
         return ops.cast(y, self.compute_dtype)
 
     def _infer(self, x):
-        statistics = [
-            self._broadcast(self.moving_mean, 0.0),
-            self._broadcast(self.moving_variance, 1.0),
-            self._broadcast(self.gamma, 1.0),
-            self._broadcast(self.beta, 0.0),
-        ]
+        statistics = [self.moving_mean, self.moving_variance, self.gamma, self.beta]
         kernel = kernels.choose(x, self._reduction_axes, self.epsilon, fused=self.fused, plain=True)
-        if kernel is not None:
-            return kernel.infer(x, *[ops.reshape(s, (-1,)) for s in statistics], self.epsilon)
+        if kernel is not None:  # Per-feature vectors; γ, β may be None.
+            return kernel.infer(x, *statistics, self.epsilon)
+        statistics = [self._broadcast(v, d) for v, d in zip(statistics, (0.0, 1.0, 1.0, 0.0))]
         return normalize.normalize_with_statistics(x, *statistics, self.epsilon)
 
     def _statistics_input(self, inputs):
@@ -426,13 +422,11 @@ class BatchNormalization(keras.layers.Layer):
             momentum_warmup=self.momentum_warmup,
         )
         state = {v.name: v for v in self.non_trainable_variables}
-        new = moving_statistics.update(
-            rule,
-            {name: v.value for name, v in state.items()},
-            ops.reshape(mean, self.moving_mean.shape),
-            ops.reshape(variance, self.moving_mean.shape),
-            self._flat_count(count),
-        )
+        shape = self.moving_mean.shape
+        if tuple(mean.shape) != tuple(shape):
+            mean, variance = ops.reshape(mean, shape), ops.reshape(variance, shape)
+        values = {name: v.value for name, v in state.items()}
+        new = moving_statistics.update(rule, values, mean, variance, self._flat_count(count))
         for name, value in new.items():
             state[name].assign(value)
 
@@ -440,7 +434,7 @@ class BatchNormalization(keras.layers.Layer):
         dtype = self.statistics_dtype
         if variable is None:
             return ops.full(self._broadcast_shape, default, dtype=dtype)
-        return ops.reshape(ops.cast(variable, dtype), self._broadcast_shape)
+        return ops.reshape(variable, self._broadcast_shape)  # Built in `dtype`.
 
     def _flat_count(self, count):
         # One count for all features, or one per feature (masks over them).

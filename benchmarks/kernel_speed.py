@@ -1,0 +1,320 @@
+r"""keras_bn against the batch-norm kernels users already have, on every engine.
+
+Each engine runs in its own process (`--engine`); without it, the script
+runs TensorFlow, PyTorch and JAX in turn and prints one table per mode. A
+*training* step is the forward pass in training mode, the gradients of
+Σ w·y with respect to x, γ and β, and the moving-statistics update; an
+*inference* step is the forward pass with the moving statistics. Every
+candidate of an engine is timed round-robin in the same process (paired
+rounds: each round times every candidate once, `--repeats` steps each); the
+tables give each candidate's median ms with its quartiles, and its ratio to
+the engine's fastest peer kernel as the median (and quartiles) of the
+per-round ratios.
+
+Candidates:
+    TensorFlow  keras_bn (its rule), keras_bn fused=False (the general
+                path), Keras' layer, raw `tf.nn.fused_batch_norm` (with a
+                moving-average update of its outputs, as a layer does);
+                each a `tf.function` of the whole step.
+    PyTorch     keras_bn and Keras' layer under KERAS_BACKEND=torch,
+                `torch.nn.BatchNorm1d/2d` (2d on channels_last tensors).
+    JAX         keras_bn and Keras' layer, each one jitted
+                `stateless_call` + gradient program.
+
+The bandwidth bound is the time to move the step's minimal traffic at this
+machine's measured copy bandwidth (`numpy.copyto` of a 256 MB float32
+array: one read and one write per element). The pass model counts full
+tensor passes of the input's size: training 8 (moments read x; normalise
+reads x, writes y; backward sums read x and dy; dx reads x, dy, writes
+dx), inference 2 (read x, write y).
+
+Run:
+    python -m benchmarks.kernel_speed                 # every engine, default shapes
+    python -m benchmarks.kernel_speed --engines=torch --shapes=64x28x28x64
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+
+_ENGINE = flags.DEFINE_enum(
+    "engine", None, ["tensorflow", "torch", "jax"], "One engine in this process (a worker)."
+)
+_ENGINES = flags.DEFINE_multi_enum(
+    "engines", ["tensorflow", "torch", "jax"], ["tensorflow", "torch", "jax"], "Engines to run."
+)
+_SHAPES = flags.DEFINE_list(
+    "shapes",
+    ["256x100", "64x28x28x64", "32x14x14x256", "128x56x56x64"],
+    "Input shapes (NHWC or NC), as AxBxC.",
+)
+_ROUNDS = flags.DEFINE_integer("rounds", 9, "Paired rounds.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Steps per timed sample.", lower_bound=1)
+_MODES = flags.DEFINE_list("modes", ["training", "inference"], "training and/or inference.")
+
+TRAINING_PASSES, INFERENCE_PASSES = 8, 2
+
+
+def copy_bandwidth():
+    """Bytes/s of `numpy.copyto` over 256 MB (read + write), best of 5."""
+    src = np.ones(64 * 2**20, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
+
+
+def time_paired(functions, rounds, repeats, warmup=3):
+    """Seconds per call of each function, per round, measured round-robin."""
+    for fn in functions.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            samples[name].append((time.perf_counter() - start) / repeats)
+    return samples
+
+
+def _arrays(shape):
+    rng = np.random.RandomState(0)
+    return (rng.randn(*shape) * 2 + 1).astype(np.float32), rng.randn(*shape).astype(np.float32)
+
+
+def tensorflow_steps(shape, mode):
+    import keras
+    import tensorflow as tf
+
+    import keras_bn
+
+    x_np, w_np = _arrays(shape)
+    x, w = tf.constant(x_np), tf.constant(w_np)
+    channels = shape[-1]
+
+    def layer_step(layer):
+        layer.build(shape)
+        if mode == "inference":
+            return tf.function(lambda: layer(x, training=False))
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x, training=True) * w)
+            return tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+        return step
+
+    gamma, beta = tf.Variable(tf.ones(channels)), tf.Variable(tf.zeros(channels))
+    moving_mean, moving_variance = tf.Variable(tf.zeros(channels)), tf.Variable(tf.ones(channels))
+    x4 = tf.reshape(x, (-1, 1, 1, channels)) if len(shape) != 4 else x
+    w4 = tf.reshape(w, x4.shape)
+
+    @tf.function
+    def raw_training():
+        with tf.GradientTape() as tape:
+            tape.watch(x4)
+            y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
+                x4, gamma, beta, epsilon=1e-3, is_training=True
+            )
+            loss = tf.reduce_sum(y * w4)
+        grads = tape.gradient(loss, [x4, gamma, beta])
+        moving_mean.assign(moving_mean * 0.99 + mean * 0.01)
+        moving_variance.assign(moving_variance * 0.99 + variance * 0.01)
+        return grads
+
+    @tf.function
+    def raw_inference():
+        return tf.compat.v1.nn.fused_batch_norm(
+            x4, gamma, beta, moving_mean, moving_variance, epsilon=1e-3, is_training=False
+        )[0]
+
+    steps = {
+        "keras_bn": layer_step(keras_bn.BatchNormalization()),
+        "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False)),
+        "keras": layer_step(keras.layers.BatchNormalization()),
+        "tf.nn.fused_batch_norm": raw_training if mode == "training" else raw_inference,
+    }
+    blocking = {name: (lambda fn=fn: _block_tf(fn())) for name, fn in steps.items()}
+    return blocking, ["tf.nn.fused_batch_norm"]
+
+
+def _block_tf(result):
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(result):
+        t.numpy()
+
+
+def torch_steps(shape, mode):
+    import keras
+    import torch
+
+    import keras_bn
+
+    x_np, w_np = _arrays(shape)
+    channels = shape[-1]
+    keras_x = torch.tensor(x_np, requires_grad=mode == "training")
+    keras_w = torch.tensor(w_np)
+
+    def layer_step(layer):
+        layer.build(shape)
+        if mode == "inference":
+            return lambda: layer(keras_x, training=False)
+
+        def step():
+            keras_x.grad = None
+            (layer(keras_x, training=True) * keras_w).sum().backward()
+
+        return step
+
+    if len(shape) == 4:  # channels_last: the memory of the NHWC array.
+        native = torch.nn.BatchNorm2d(channels, eps=1e-3, momentum=0.01)
+        torch_x = torch.tensor(x_np).permute(0, 3, 1, 2)
+        torch_w = torch.tensor(w_np).permute(0, 3, 1, 2)
+        assert torch_x.is_contiguous(memory_format=torch.channels_last)
+    else:
+        native = torch.nn.BatchNorm1d(channels, eps=1e-3, momentum=0.01)
+        torch_x, torch_w = torch.tensor(x_np), torch.tensor(w_np)
+    torch_x.requires_grad_(mode == "training")
+
+    def native_step():
+        if mode == "inference":
+            native.eval()
+            with torch.no_grad():
+                return native(torch_x)
+        native.train()
+        torch_x.grad = None
+        (native(torch_x) * torch_w).sum().backward()
+
+    name = "torch BatchNorm2d" if len(shape) == 4 else "torch BatchNorm1d"
+    steps = {
+        "keras_bn": layer_step(keras_bn.BatchNormalization()),
+        "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False)),
+        "keras": layer_step(keras.layers.BatchNormalization()),
+        name: native_step,
+    }
+    if mode == "inference":
+        steps = {k: (lambda fn=fn: _no_grad(fn)) for k, fn in steps.items()}
+    return steps, [name]
+
+
+def _no_grad(fn):
+    import torch
+
+    with torch.no_grad():
+        return fn()
+
+
+def jax_steps(shape, mode):
+    import jax
+    import keras
+
+    import keras_bn
+    from tests import jax_programs
+
+    x_np, w_np = _arrays(shape)
+    x, w = jax.numpy.asarray(x_np), jax.numpy.asarray(w_np)
+
+    def layer_step(layer):
+        layer.build(shape)
+        if mode == "inference":
+            trainable = [v.value for v in layer.trainable_variables]
+            non_trainable = [v.value for v in layer.non_trainable_variables]
+            infer = jax.jit(lambda t, n, x: layer.stateless_call(t, n, x, training=False)[0])
+            return lambda: infer(trainable, non_trainable, x).block_until_ready()
+        step, trainable, non_trainable = jax_programs.make_jax_training_step(layer)
+        return lambda: jax.block_until_ready(step(trainable, non_trainable, x, w))
+
+    steps = {
+        "keras_bn": layer_step(keras_bn.BatchNormalization()),
+        "keras": layer_step(keras.layers.BatchNormalization()),
+    }
+    return steps, ["keras"]
+
+
+ENGINE_STEPS = {"tensorflow": tensorflow_steps, "torch": torch_steps, "jax": jax_steps}
+
+
+def run_engine(engine):
+    """Times every candidate of `engine` at each shape and mode; one JSON line each."""
+    bandwidth = copy_bandwidth()
+    for mode in _MODES.value:
+        for text in _SHAPES.value:
+            shape = tuple(int(d) for d in text.split("x"))
+            steps, peers = ENGINE_STEPS[engine](shape, mode)
+            samples = time_paired(steps, _ROUNDS.value, _REPEATS.value)
+            passes = TRAINING_PASSES if mode == "training" else INFERENCE_PASSES
+            bound = passes * np.prod(shape) * 4 / bandwidth
+            print(
+                json.dumps(
+                    {
+                        "engine": engine,
+                        "mode": mode,
+                        "shape": text,
+                        "peers": peers,
+                        "bound_s": bound,
+                        "bandwidth_GBs": bandwidth / 1e9,
+                        "samples": samples,
+                    }
+                ),
+                flush=True,
+            )
+
+
+def _quartiles(values):
+    return np.percentile(values, [25, 50, 75])
+
+
+def print_table(records):
+    for mode in _MODES.value:
+        print(f"\n{mode} step, ms: median [q1–q3]; ratio to the engine's fastest peer kernel")
+        print(f"{'engine':<11}{'shape':<15}{'candidate':<24}{'ms':>22}{'ratio':>20}{'of bound':>9}")
+        for record in (r for r in records if r["mode"] == mode):
+            samples = {k: np.asarray(v) for k, v in record["samples"].items()}
+            fastest = min(record["peers"], key=lambda p: np.median(samples[p]))
+            for name, values in samples.items():
+                q1, median, q3 = _quartiles(values) * 1e3
+                r1, ratio, r3 = _quartiles(values / samples[fastest])
+                print(
+                    f"{record['engine']:<11}{record['shape']:<15}{name:<24}"
+                    f"{median:9.3f} [{q1:.3f}–{q3:.3f}]  {ratio:6.2f} [{r1:.2f}–{r3:.2f}]"
+                    f"{record['bound_s'] * 1e3 / median * 100:8.0f}%"
+                )
+        print(f"bandwidth bound at {records[0]['bandwidth_GBs']:.1f} GB/s (numpy.copyto)")
+
+
+def main(argv):
+    del argv
+    if _ENGINE.value:
+        run_engine(_ENGINE.value)
+        return
+    records = []
+    for engine in _ENGINES.value:
+        env = dict(os.environ, KERAS_BACKEND=engine, TF_CPP_MIN_LOG_LEVEL="2")
+        args = [a for a in sys.argv[1:] if not a.startswith("--engine")]
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.kernel_speed", f"--engine={engine}", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        records += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    print_table(records)
+
+
+if __name__ == "__main__":
+    app.run(main)

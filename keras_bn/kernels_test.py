@@ -1,0 +1,195 @@
+"""The fused kernels against the general path, on the current Keras backend.
+
+With `fused=True` (TensorFlow's FusedBatchNormV3, PyTorch's native kernel)
+the layer's outputs, its three gradients and its moving statistics equal
+those of `fused=False` (the general path) to float32 rounding, in training
+and inference, with the guard, warm-up, `unbiased_variance` and `momentum=None`;
+under JAX, which has no fused kernel, and for calls no kernel can express,
+`fused=True` raises and `fused=None` takes the general path. `.ci/run` runs
+this module under TensorFlow (with oneDNN off and on), JAX and PyTorch.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+
+import keras_bn
+from keras_bn import kernels
+
+BACKEND = keras.backend.backend()
+HAS_KERNEL = BACKEND in ("tensorflow", "torch")
+
+
+def _data(shape, seed):
+    return (np.random.RandomState(seed).randn(*shape) * 3.0 + 2.0).astype(np.float32)
+
+
+def _gradients(layer, x, upstream):
+    """`(y, dx, dγ, dβ)` of Σ upstream·layer(x, training=True), as NumPy."""
+    if BACKEND == "torch":
+        import torch
+
+        v = torch.tensor(x, requires_grad=True)
+        y = layer(v, training=True)
+        (y * torch.tensor(upstream)).sum().backward()
+        grads = [v.grad, layer.gamma.value.grad, layer.beta.value.grad]
+        return [y.detach().numpy()] + [g.numpy() for g in grads]
+    if BACKEND == "jax":
+        import jax
+
+        trainable = [w.value for w in layer.trainable_variables]
+        non_trainable = [w.value for w in layer.non_trainable_variables]
+
+        def loss(trainable, x):
+            y, _ = layer.stateless_call(trainable, non_trainable, x, training=True)
+            return (y * upstream).sum(), y
+
+        (_, y), (dw, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(trainable, x)
+        return [np.asarray(a) for a in (y, dx, *dw)]
+    import tensorflow as tf
+
+    v = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(v)
+        y = layer(v, training=True)
+        loss = tf.reduce_sum(y * upstream)
+    dx, dgamma, dbeta = tape.gradient(loss, [v, layer.gamma, layer.beta])
+    return [a.numpy() for a in (y, dx, dgamma, dbeta)]
+
+
+def _numpy(variable):
+    return keras.ops.convert_to_numpy(variable)
+
+
+class FusedKernelTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("conv_map", (8, 5, 5, 6), {}),
+        ("dense", (32, 7), {}),
+        ("sequence", (4, 9, 5), {}),
+        ("unbiased_cumulative", (8, 4, 4, 3), {"momentum": None, "unbiased_variance": True}),
+        ("warmup", (8, 4, 4, 3), {"momentum_warmup": True, "count_skipped_updates": True}),
+        ("no_scale_no_center", (8, 4, 4, 3), {"scale": False, "center": False}),
+    )
+    def test_fused_matches_the_general_path(self, shape, kwargs):
+        if not HAS_KERNEL:
+            self.skipTest(f"{BACKEND} has no fused kernel (XLA fuses the general path)")
+        x, upstream = _data(shape, 0), _data(shape, 1)
+        settings = {"momentum": 0.9, **kwargs}
+        layers = {f: keras_bn.BatchNormalization(fused=f, **settings) for f in (True, False)}
+        results = {}
+        for fused, layer in layers.items():
+            layer.build(shape)
+            if layer.scale:
+                layer.gamma.assign(np.linspace(0.5, 2.0, shape[-1]).astype(np.float32))
+            if layer.center:
+                layer.beta.assign(np.linspace(-1.0, 1.0, shape[-1]).astype(np.float32))
+            if layer.scale and layer.center:
+                outputs = _gradients(layer, x, upstream)
+            else:
+                outputs = [_numpy(layer(x, training=True))]
+            layer(x * 0.5 + 1.0, training=True)  # A second update.
+            outputs += [_numpy(v) for v in layer.non_trainable_variables]
+            outputs.append(_numpy(layer(x, training=False)))
+            results[fused] = outputs
+        self.assertLen(results[True], len(results[False]))
+        for i, (fused, general) in enumerate(zip(results[True], results[False])):
+            np.testing.assert_allclose(fused, general, rtol=2e-5, atol=2e-5, err_msg=str(i))
+
+    def test_fused_inference_matches_without_training(self):
+        if not HAS_KERNEL:
+            self.skipTest(f"{BACKEND} has no fused kernel")
+        x = _data((6, 3, 3, 4), 2)
+        outputs = []
+        for fused in (True, False):
+            layer = keras_bn.BatchNormalization(fused=fused)
+            layer.build(x.shape)
+            layer.moving_mean.assign(np.array([1.0, -2.0, 0.5, 3.0], np.float32))
+            layer.moving_variance.assign(np.array([4.0, 0.25, 1.0, 9.0], np.float32))
+            outputs.append(_numpy(layer(x, training=False)))
+        np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-6, atol=1e-6)
+
+    def test_nonfinite_batch_is_skipped_on_the_fused_path(self):
+        if not HAS_KERNEL:
+            self.skipTest(f"{BACKEND} has no fused kernel")
+        layer = keras_bn.BatchNormalization(fused=True, count_skipped_updates=True)
+        x = _data((8, 3), 3)
+        layer(x, training=True)
+        before = _numpy(layer.moving_mean)
+        x[0, 1] = np.nan
+        layer(x, training=True)
+        np.testing.assert_array_equal(_numpy(layer.moving_mean), before)
+        self.assertEqual(float(_numpy(layer.skipped_updates)), 1.0)
+
+    def test_fused_step_compiles_with_xla(self):
+        if BACKEND != "tensorflow":
+            self.skipTest("TensorFlow's XLA compilation of the fused op")
+        import tensorflow as tf
+
+        x = tf.constant(_data((8, 4, 4, 3), 7))
+        outputs = []
+        for fused in (True, False):
+            layer = keras_bn.BatchNormalization(fused=fused, momentum=0.5)
+            layer.build(x.shape)
+
+            @tf.function(jit_compile=True)
+            def step(x, layer=layer):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = layer(x, training=True)
+                    loss = tf.reduce_sum(y * y * x)
+                return y, tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+            y, grads = step(x)
+            outputs.append([y.numpy(), *[g.numpy() for g in grads], layer.moving_variance.numpy()])
+        for fused, general in zip(*outputs):
+            np.testing.assert_allclose(fused, general, rtol=2e-5, atol=2e-5)
+
+    @parameterized.named_parameters(
+        ("mask", {}, {"mask": np.ones((4, 5), bool)}, r"masks, renorm"),
+        ("renorm", {"renorm": True}, {}, r"masks, renorm"),
+        ("ghost", {"virtual_batch_size": 2}, {}, r"masks, renorm"),
+        ("axis_list", {"axis": [1, 2]}, {}, r"one last axis"),
+        ("small_epsilon", {"epsilon": 1e-6}, {}, r"epsilon=1e-06 is below"),
+    )
+    def test_fused_true_refuses_what_no_kernel_runs(self, kwargs, call_kwargs, reason):
+        if not HAS_KERNEL:
+            reason = rf"the {BACKEND} backend has none"
+        layer = keras_bn.BatchNormalization(fused=True, **kwargs)
+        with self.assertRaisesRegex(ValueError, reason + r".*Received: fused=True"):
+            layer(_data((4, 5, 3), 4), training=True, **call_kwargs)
+        # The rule (fused=None) takes the general path for the same call.
+        keras_bn.BatchNormalization(**kwargs)(_data((4, 5, 3), 4), training=True, **call_kwargs)
+
+    def test_float64_takes_the_general_path(self):
+        layer = keras_bn.BatchNormalization(fused=True, dtype="float64")
+        reason = r"float32 statistics, not float64" if HAS_KERNEL else r"backend has none"
+        with self.assertRaisesRegex(ValueError, reason):
+            layer(_data((4, 3), 5).astype(np.float64), training=True)
+
+    def test_fused_argument_is_validated_and_serialised(self):
+        with self.assertRaisesRegex(TypeError, r"Received: fused='yes'"):
+            keras_bn.BatchNormalization(fused="yes")
+        config = keras_bn.BatchNormalization(fused=False).get_config()
+        self.assertIs(config["fused"], False)
+        self.assertIs(keras_bn.BatchNormalization.from_config(config).fused, False)
+
+    def test_the_rule_is_one_function_of_the_platform(self):
+        x = keras.ops.convert_to_tensor(_data((4, 3), 6))
+        kernel = kernels.choose(x, (0,), 1e-3, fused=None, plain=True)
+        if BACKEND == "torch":
+            self.assertIsNotNone(kernel)
+        elif BACKEND == "jax":
+            self.assertIsNone(kernel)
+        else:
+            import tensorflow as tf
+
+            expected = bool(tf.config.list_logical_devices("GPU")) or (
+                kernels.tensorflow_onednn_enabled()
+            )
+            self.assertEqual(kernel is not None, expected)
+        self.assertIsNone(kernels.choose(x, (0,), 1e-3, fused=False, plain=True))
+
+
+if __name__ == "__main__":
+    absltest.main()
