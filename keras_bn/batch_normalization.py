@@ -368,7 +368,7 @@ class BatchNormalization(keras.layers.Layer):
     def call(self, inputs, training=None, mask=None):
         x = self._statistics_input(inputs)
         if not (training and self.trainable):
-            return ops.cast(self._infer(x), self.compute_dtype)
+            return self._output(self._infer(x))
         weights = self._mask_weights(x, mask)
         if weights is None:
             self._check_static_count(x.shape)
@@ -391,7 +391,7 @@ class BatchNormalization(keras.layers.Layer):
             correction=self._renorm_correction if self.renorm else None,
         )
         self._update_moving_statistics(count, mean, variance)
-        return ops.cast(y, self.compute_dtype)
+        return self._output(y)
 
     def _infer(self, x):
         statistics = [self.moving_mean, self.moving_variance, self.gamma, self.beta]
@@ -408,7 +408,11 @@ class BatchNormalization(keras.layers.Layer):
             raise TypeError(
                 f"{type(self).__name__} needs real numeric inputs. Received: inputs.dtype={dtype}"
             )
-        return ops.cast(inputs, self.statistics_dtype)
+        return inputs if dtype == self.statistics_dtype else ops.cast(inputs, self.statistics_dtype)
+
+    def _output(self, y):
+        same = keras.backend.standardize_dtype(y.dtype) == self.compute_dtype
+        return y if same else ops.cast(y, self.compute_dtype)
 
     def _update_moving_statistics(self, count, mean, variance):
         """Moves the statistics towards a batch's pooled `(count, mean, variance)`."""

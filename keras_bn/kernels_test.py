@@ -175,20 +175,24 @@ class FusedKernelTest(parameterized.TestCase):
         self.assertIs(keras_bn.BatchNormalization.from_config(config).fused, False)
 
     def test_the_rule_is_one_function_of_the_platform(self):
-        x = keras.ops.convert_to_tensor(_data((4, 3), 6))
-        kernel = kernels.choose(x, (0,), 1e-3, fused=None, plain=True)
+        large = keras.ops.convert_to_tensor(_data((256, 256), 6))
+        small = keras.ops.convert_to_tensor(_data((256, 100), 6))
+        picked = {
+            name: kernels.choose(x, (0,), 1e-3, fused=None, plain=True) is not None
+            for name, x in (("large", large), ("small", small))
+        }
         if BACKEND == "torch":
-            self.assertIsNotNone(kernel)
+            self.assertEqual(picked, {"large": True, "small": True})
         elif BACKEND == "jax":
-            self.assertIsNone(kernel)
+            self.assertEqual(picked, {"large": False, "small": False})
         else:
             import tensorflow as tf
 
-            expected = bool(tf.config.list_logical_devices("GPU")) or (
-                kernels.tensorflow_onednn_enabled()
-            )
-            self.assertEqual(kernel is not None, expected)
-        self.assertIsNone(kernels.choose(x, (0,), 1e-3, fused=False, plain=True))
+            gpu = bool(tf.config.list_logical_devices("GPU"))
+            onednn = kernels.tensorflow_onednn_enabled()
+            # On a oneDNN CPU only inputs of 2^16 values or more.
+            self.assertEqual(picked, {"large": gpu or onednn, "small": gpu})
+        self.assertIsNone(kernels.choose(large, (0,), 1e-3, fused=False, plain=True))
 
 
 if __name__ == "__main__":
