@@ -43,6 +43,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from benchmarks import timing
+
 _ENGINE = flags.DEFINE_enum(
     "engine", None, ["tensorflow", "torch", "jax"], "One engine in this process (a worker)."
 )
@@ -71,21 +73,6 @@ def copy_bandwidth():
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - start)
     return 2 * src.nbytes / best
-
-
-def time_paired(functions, rounds, repeats, warmup=3):
-    """Seconds per call of each function, per round, measured round-robin."""
-    for fn in functions.values():
-        for _ in range(warmup):
-            fn()
-    samples = {name: [] for name in functions}
-    for _ in range(rounds):
-        for name, fn in functions.items():
-            start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            samples[name].append((time.perf_counter() - start) / repeats)
-    return samples
 
 
 def _arrays(shape):
@@ -255,7 +242,7 @@ def run_engine(engine):
         for text in _SHAPES.value:
             shape = tuple(int(d) for d in text.split("x"))
             steps, peers = ENGINE_STEPS[engine](shape, mode)
-            samples = time_paired(steps, _ROUNDS.value, _REPEATS.value)
+            samples = timing.time_rounds(steps, 3, _REPEATS.value, _ROUNDS.value)
             passes = TRAINING_PASSES if mode == "training" else INFERENCE_PASSES
             bound = passes * np.prod(shape) * 4 / bandwidth
             print(

@@ -5,11 +5,12 @@ import time
 import numpy as np
 
 
-def time_interleaved(functions, warmup, repeats, rounds):
-    """Median seconds per call of each function, measured round-robin.
+def time_rounds(functions, warmup, repeats, rounds):
+    """Seconds per call of each function in every round, measured round-robin.
 
     Alternating the candidates in every round exposes them to the same
-    machine state (clock, other load), which matters on a shared 2-core box.
+    machine state (clock, other load), which matters on a shared 2-core box;
+    a round's samples are paired, so per-round ratios can be taken.
 
     Args:
         functions: dict name -> zero-argument callable that blocks until done.
@@ -18,7 +19,7 @@ def time_interleaved(functions, warmup, repeats, rounds):
         rounds: samples per function.
 
     Returns:
-        dict name -> median seconds per call.
+        dict name -> list of `rounds` seconds per call, in round order.
     """
     for fn in functions.values():
         for _ in range(warmup):
@@ -30,4 +31,10 @@ def time_interleaved(functions, warmup, repeats, rounds):
             for _ in range(repeats):
                 fn()
             samples[name].append((time.perf_counter() - start) / repeats)
+    return samples
+
+
+def time_interleaved(functions, warmup, repeats, rounds):
+    """Median seconds per call of each function (see `time_rounds`)."""
+    samples = time_rounds(functions, warmup, repeats, rounds)
     return {name: float(np.median(s)) for name, s in samples.items()}

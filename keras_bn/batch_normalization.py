@@ -60,8 +60,8 @@ class BatchNormalization(keras.layers.Layer):
     Keras' order, so weight files and `get_weights()` lists move between it
     and `keras.layers.BatchNormalization` both ways. Its own state
     (`moving_batches`, `num_updates`, `skipped_updates`) is saved and loaded
-    by name (0 when a file has none); a file of other `center`, `scale` or
-    `renorm` settings is refused.
+    by name (0 when a file has none); a file with other numbers or shapes of
+    weights is refused (a swap of `center` and `scale` cannot be told apart).
 
     Kernels. A float32 call with the features on the last axis and no mask,
     renorm, ghost batches or cross-replica merge runs through the engine's
@@ -166,15 +166,12 @@ class BatchNormalization(keras.layers.Layer):
 
     Raises:
         ValueError: for an invalid argument; at build for an axis out of
-            range or an undefined feature dimension; in training for a batch
-            whose statistics are over a single value (when known
-            statically), a mask whose shape is not the inputs' without
-            their last axis (size-1 dimensions broadcast), when loading a
-            weight file saved with other settings, `synchronized=True` on
-            PyTorch, a `sync_group_size` that does not divide the replicas,
-            a `virtual_batch_size` that does not divide a replica's batch,
-            or (`keras.distribution`) a batch that does not split evenly
-            over the replicas.
+            range or an undefined feature dimension; in training for m = 1
+            (when static), a mask of the wrong shape, `synchronized=True` on
+            PyTorch, a `sync_group_size`, `virtual_batch_size` or
+            (`keras.distribution`) replica count that does not divide, and
+            `fused=True` where no kernel runs the call; when loading a file
+            of other weights.
         TypeError: for non-numeric inputs or an argument of the wrong type.
         RuntimeError: when a synchronised call runs where its collective
             cannot (a `tf.function` nested in `strategy.run`).
@@ -395,7 +392,9 @@ class BatchNormalization(keras.layers.Layer):
 
     def _infer(self, x):
         statistics = [self.moving_mean, self.moving_variance, self.gamma, self.beta]
-        kernel = kernels.choose(x, self._reduction_axes, self.epsilon, fused=self.fused, plain=True)
+        kernel = kernels.choose(
+            x, self._reduction_axes, self.epsilon, fused=self.fused, training=False
+        )
         if kernel is not None:  # Per-feature vectors; γ, β may be None.
             return kernel.infer(x, *statistics, self.epsilon)
         statistics = [self._broadcast(v, d) for v, d in zip(statistics, (0.0, 1.0, 1.0, 0.0))]
@@ -408,7 +407,9 @@ class BatchNormalization(keras.layers.Layer):
             raise TypeError(
                 f"{type(self).__name__} needs real numeric inputs. Received: inputs.dtype={dtype}"
             )
-        return inputs if dtype == self.statistics_dtype else ops.cast(inputs, self.statistics_dtype)
+        if dtype == self.statistics_dtype:
+            return ops.convert_to_tensor(inputs)  # As `ops.cast` would, without a copy.
+        return ops.cast(inputs, self.statistics_dtype)
 
     def _output(self, y):
         same = keras.backend.standardize_dtype(y.dtype) == self.compute_dtype
@@ -507,30 +508,30 @@ class BatchNormalization(keras.layers.Layer):
                 store[name] = getattr(self, name)
 
     def load_own_variables(self, store):
-        """Loads a file of this layer or of `keras.layers.BatchNormalization`, by name.
+        """Loads a file of this layer or of Keras' layer: own state by name, shapes checked first.
 
         Raises:
-            ValueError: when the file's Keras-ordered weights are not this
-                layer's (other `center`, `scale` or `renorm` settings), or it
-                holds state this layer does not know.
+            ValueError: when the file's numbered weights differ in number or
+                shape from this layer's, or it holds state this layer lacks.
         """
         keys = list(store.keys())
-        numbered = sorted((k for k in keys if k.isdigit()), key=int)
         expected = self._keras_weights()
-        unknown = sorted(set(keys) - set(numbered) - set(_OWN_STATE))
-        if numbered != [str(i) for i in range(len(expected))] or unknown:
+        numbered = [str(i) for i in range(len(expected))]
+        values = [store[k] for k in numbered if k in keys]
+        if sorted(set(keys) - set(_OWN_STATE)) != sorted(numbered) or any(
+            tuple(value.shape) != tuple(v.shape) for value, v in zip(values, expected)
+        ):
             raise ValueError(
-                f"Layer '{self.name}' expects the weights {[v.name for v in expected]} under "
-                f"the keys 0..{len(expected) - 1} and optionally {list(_OWN_STATE)} by name; the "
-                "file was saved from a layer with other settings (center, scale, renorm). "
-                f"Received: keys={keys}"
+                f"Layer '{self.name}' expects the weights {[v.name for v in expected]} of shapes "
+                f"{[tuple(v.shape) for v in expected]} under the keys 0..{len(expected) - 1}, and "
+                f"{list(_OWN_STATE)} by name; the file was saved from a layer of other settings "
+                f"or inputs. Received: keys={keys}, shapes={[tuple(v.shape) for v in values]}"
             )
-        for i, variable in enumerate(expected):
-            variable.assign(store[str(i)])
+        for variable, value in zip(expected, values):
+            variable.assign(value)
         for name in _OWN_STATE:
-            variable = getattr(self, name)
-            if variable is not None:
-                variable.assign(store[name] if name in keys else ops.zeros((), variable.dtype))
+            if getattr(self, name) is not None:
+                getattr(self, name).assign(store[name] if name in keys else 0.0)
 
     def _keras_weights(self):
         return [getattr(self, n) for n in _KERAS_WEIGHTS if getattr(self, n) is not None]

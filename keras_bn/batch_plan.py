@@ -140,7 +140,9 @@ class BatchPlan:
             the moments pooled over the slices (see `_pool`), per feature.
         """
         plain = not self.sliced and self.groups is None and weights is None and not correction
-        kernel = kernels.choose(x, reduction_axes, epsilon, fused=self.fused, plain=plain)
+        kernel = kernels.choose(
+            x, reduction_axes, epsilon, fused=self.fused, training=True, plain=plain
+        )
         if kernel is not None:
             return kernel.train(x, ops.reshape(gamma, (-1,)), ops.reshape(beta, (-1,)), epsilon)
         x = self._split(x)

@@ -17,7 +17,12 @@ axis, the last (a 2-D `(N, C)` input included), ε is at least 1.001e-5 (the
 least TensorFlow's kernel accepts; it would raise a smaller one) and, in
 training, it has no mask, no Batch Renormalization, no ghost batches or
 `keras.distribution` slices and no cross-replica merge. Everything else,
-float64 and float16 statistics-free inputs included, takes the general path.
+float64 included, takes the general path. So does TensorFlow's training
+under XLA (`jit_compile=True`, TPUs): XLA lowers the op to BatchNormTraining,
+which its CPU and GPU backends expand with Var = E[x²] − E[x]², losing the
+float32 variance where |mean|/std is large (the general path compiles to
+two passes). And TensorFlow's inference under op determinism, where the
+fused op's gradient is not implemented on GPU.
 
 Both kernels normalise with the biased batch variance and return the
 Bessel-corrected m/(m−1)·σ²_B (TensorFlow as its batch variance, PyTorch in
@@ -44,7 +49,7 @@ from keras import ops
 MIN_FUSED_EPSILON = 1.001e-5
 
 
-def choose(x, reduction_axes, epsilon, *, fused, plain):
+def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
     """The fused kernel for a call, or `None` for the general path.
 
     Args:
@@ -53,6 +58,7 @@ def choose(x, reduction_axes, epsilon, *, fused, plain):
         epsilon: the layer's ε.
         fused: the layer's `fused` argument: `None` (the measured rule),
             `True` (required) or `False` (never).
+        training: whether the call normalises with batch statistics.
         plain: whether the call has none of what only the general path
             expresses (mask, renorm, slices, cross-replica merge); always
             true for inference.
@@ -68,7 +74,7 @@ def choose(x, reduction_axes, epsilon, *, fused, plain):
     """
     if fused is False:
         return None
-    reason = _unsupported(x, reduction_axes, epsilon, plain)
+    reason = _unsupported(x, reduction_axes, epsilon, plain, training)
     if reason is None and fused is None and not _faster_here(x):
         reason = "the measured rule keeps the general path on this platform"
     if reason is None:
@@ -81,8 +87,8 @@ def choose(x, reduction_axes, epsilon, *, fused, plain):
     return None
 
 
-def _unsupported(x, reduction_axes, epsilon, plain):
-    """Why no fused kernel can run this call, or `None`."""
+def _unsupported(x, reduction_axes, epsilon, plain, training):
+    """Why no fused kernel can run this call (with the general path's meaning), or `None`."""
     backend = keras.backend.backend()
     rank = len(x.shape)
     if backend not in _KERNELS:
@@ -98,7 +104,46 @@ def _unsupported(x, reduction_axes, epsilon, plain):
         return "the batch is empty"
     if epsilon < MIN_FUSED_EPSILON:
         return f"epsilon={epsilon} is below its least {MIN_FUSED_EPSILON}"
+    if backend == "tensorflow":
+        return _tensorflow_unsupported(training)
     return None
+
+
+def _tensorflow_unsupported(training):
+    """Where TensorFlow's op would not mean what the general path means."""
+    if training and _in_xla_context():
+        # XLA lowers the op to BatchNormTraining, which its CPU and GPU
+        # backends expand with Var = E[x²] − E[x]²: at |mean|/std = 1e4 the
+        # float32 variance came out 0 to 72 instead of 1.
+        return "under XLA its training op takes the variance as E[x²] − E[x]²"
+    if not training and _op_determinism_enabled():
+        return "under op determinism its inference op has no gradient on GPU"
+    return None
+
+
+def _op_determinism_enabled():
+    """`tf.config.experimental.enable_op_determinism()`'s state (Keras reads it the same way)."""
+    try:
+        from tensorflow.python.framework import config  # No public query.
+
+        return bool(config.is_op_determinism_enabled())
+    except (ImportError, AttributeError):
+        return os.environ.get("TF_DETERMINISTIC_OPS", "").lower() in ("1", "true")
+
+
+def _in_xla_context():
+    """Whether TensorFlow is tracing for XLA (`jit_compile=True`, TPUs).
+
+    TensorFlow has no public query; its own check (which tf-keras' fused
+    batch norm used) is read where present, else XLA is assumed.
+    """
+    try:
+        import tensorflow as tf
+        from tensorflow.python.ops import control_flow_util  # No public name.
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except (ImportError, AttributeError):
+        return True
 
 
 # TensorFlow's oneDNN CPU kernel has a fixed cost that the general path beats
@@ -169,11 +214,23 @@ def _vector(value, default, x):
 
 
 def _count(x):
-    """The values per feature: a Python int when `x`'s shape is static."""
+    """The values per feature: a Python int when `x`'s shape is static, else a float tensor."""
     leading = x.shape[:-1]
     if all(d is not None for d in leading):
         return math.prod(leading)
-    return ops.cast(ops.size(x) // x.shape[-1], x.dtype)
+    shape = ops.shape(x)
+    count = ops.cast(1.0, x.dtype)
+    for i, d in enumerate(leading):  # In the float dtype: no int32 overflow.
+        count = count * (d if d is not None else ops.cast(shape[i], x.dtype))
+    return count
+
+
+def _empty_is_zero(count, mean, variance):
+    """Zero statistics for an empty batch (the kernels return NaN), as the general path."""
+    if isinstance(count, (int, float)):
+        return mean, variance  # Static and non-empty: `_unsupported` refused 0.
+    has_values = count > 0.0
+    return ops.where(has_values, mean, 0.0), ops.where(has_values, variance, 0.0)
 
 
 class _TensorFlowKernel:
@@ -190,8 +247,8 @@ class _TensorFlowKernel:
             self._nhwc(x), gamma, beta, epsilon=epsilon, is_training=True
         )
         count = _count(x)
-        statistics = (ops.cast(count, x.dtype), mean, _unbias(variance, count))
-        return ops.reshape(y, ops.shape(x)), statistics
+        mean, variance = _empty_is_zero(count, mean, _unbias(variance, count))
+        return ops.reshape(y, ops.shape(x)), (ops.cast(count, x.dtype), mean, variance)
 
     def infer(self, x, mean, variance, gamma, beta, epsilon):
         import tensorflow as tf

@@ -55,6 +55,10 @@ def _save(model, suffix):
     return path
 
 
+def _numpy_weights(layer):
+    return [keras.ops.convert_to_numpy(w) for w in layer.weights]
+
+
 def _predict(model):
     return keras.ops.convert_to_numpy(model(_data((8, 6, 6, 3), 9), training=False))
 
@@ -168,6 +172,13 @@ class WeightFileTest(parameterized.TestCase):
             r"Received: keys=\['0', '1', '2', '3', '4', '5', '6'\]",
         ):
             plain.load_own_variables(store)
+        wider = keras_bn.BatchNormalization()
+        wider.build((None, 5))
+        before = _numpy_weights(plain)
+        with self.assertRaisesRegex(ValueError, r"of shapes \[\(3,\).*shapes=\[\(5,\)"):
+            plain.load_own_variables({str(i): w for i, w in enumerate(wider.weights)})
+        for a, b in zip(_numpy_weights(plain), before):
+            np.testing.assert_array_equal(a, b)  # Nothing assigned before the refusal.
         with self.assertRaisesRegex(ValueError, r"Received: keys=.*'momentum_of_mine'"):
             plain.load_own_variables(
                 {**{str(i): store[str(i)] for i in range(4)}, "momentum_of_mine": 1}
