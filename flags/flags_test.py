@@ -66,7 +66,9 @@ class FlagsTest(parameterized.TestCase):
     @parameterized.named_parameters(
         ("negative_steps", "--train_steps=-5", r"--train_steps=-5: -5 is not a positive integer"),
         ("zero_batch", "--batch_size=0", r"--batch_size=0: 0 is not a positive integer"),
-        ("zero_learning_rate", "--learning_rate=0", r"learning_rate must be > 0"),
+        ("zero_learning_rate", "--learning_rate=0", r"learning_rate must be a finite number > 0"),
+        ("infinite_learning_rate", "--learning_rate=inf", r"must be a finite number > 0"),
+        ("nan_learning_rate", "--learning_rate=nan", r"must be a finite number > 0"),
         ("negative_seed", "--seed=-1", r"--seed=-1: -1 is not a non-negative integer"),
         ("bad_enum", "--distribution_strategy=horovod", r"distribution_strategy.*one of"),
         ("empty_model_dir", "--model_dir= ", r"model_dir must not be empty"),

@@ -6,6 +6,8 @@ then shows its real defaults, and the flags hold them. The values here are
 what a binary that sets none sees.
 """
 
+import math
+
 from absl import flags
 
 TRAIN_STEPS = flags.DEFINE_integer("train_steps", None, "Total optimisation steps.", lower_bound=1)
@@ -24,9 +26,9 @@ EVAL_EVERY = flags.DEFINE_integer(
 )
 
 
-@flags.validator("learning_rate", message="--learning_rate must be > 0.")
+@flags.validator("learning_rate", message="--learning_rate must be a finite number > 0.")
 def _positive_learning_rate(value):
-    return value is None or value > 0.0
+    return value is None or (math.isfinite(value) and value > 0.0)
 
 
 def set_defaults(*, train_steps, batch_size, learning_rate, eval_every):

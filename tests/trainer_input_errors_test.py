@@ -58,6 +58,13 @@ def _existing_file():
     return tempfile.mkstemp()[1]
 
 
+def _with_empty_marker():
+    """A run directory whose marker a kill left empty (as a non-atomic write could)."""
+    model_dir = tempfile.mkdtemp()
+    open(os.path.join(model_dir, "trainer.json"), "w").close()
+    return model_dir
+
+
 class InputErrorTest(parameterized.TestCase):
     def _fails_in_one_line(self, module, args, pattern):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -120,6 +127,21 @@ class InputErrorTest(parameterized.TestCase):
             "unexpected_argument",
             lambda: ["stray"],
             r"mnist_sigmoid: error: Unexpected arguments: \['stray'\]",
+        ),
+        (
+            "empty_marker",
+            lambda: [f"--model_dir={_with_empty_marker()}"],
+            r"mnist_sigmoid: error: .*trainer.json is not a trainer marker \(0 bytes",
+        ),
+        (
+            "nan_init_std",
+            lambda: ["--init_std=nan"],
+            r"--init_std must be a finite number >= 0",
+        ),
+        (
+            "infinite_learning_rate",
+            lambda: ["--learning_rate=inf"],
+            r"--learning_rate must be a finite number > 0",
         ),
     )
     def test_mnist(self, make_args, pattern):

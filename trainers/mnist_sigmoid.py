@@ -30,6 +30,7 @@ stay stable while the baseline's drift, as in the paper's Figure 1.
 """
 
 import dataclasses
+import math
 import os
 
 from absl import app
@@ -60,6 +61,9 @@ NORM = flags.DEFINE_enum(
 )
 INIT_STD = flags.DEFINE_float(
     "init_std", 0.1, "Std of the Gaussian weight initialisation.", lower_bound=0.0
+)
+flags.register_validator(
+    "init_std", math.isfinite, message="--init_std must be a finite number >= 0."
 )
 PROBE_SIZE = flags.DEFINE_integer(
     "probe_size",

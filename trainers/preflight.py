@@ -76,16 +76,24 @@ def model_dir_owner(model_dir):
     if not tf.io.gfile.exists(path):
         return None
     with tf.io.gfile.GFile(path) as f:
-        return json.load(f).get("trainer")
+        text = f.read()
+    try:
+        return json.loads(text).get("trainer")
+    except (json.JSONDecodeError, AttributeError):
+        raise InputError(
+            f"{path} is not a trainer marker ({len(text)} bytes of other content); if this "
+            "directory holds the run you meant, delete that file and relaunch."
+        ) from None
 
 
 def claim_model_dir(model_dir, trainer):
     """Records `trainer` as the writer of `model_dir` (the chief calls it once)."""
     import tensorflow as tf
 
+    from trainers import summaries  # Atomic JSON: a kill never leaves half a marker.
+
     tf.io.gfile.makedirs(model_dir)
-    with tf.io.gfile.GFile(os.path.join(model_dir, MARKER), "w") as f:
-        json.dump({"trainer": trainer}, f)
+    summaries.write_json(os.path.join(model_dir, MARKER), {"trainer": trainer})
 
 
 def tfds_default_dir():
