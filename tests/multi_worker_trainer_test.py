@@ -54,7 +54,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         self.assertLen(_event_files(model_dir), 1)
         self.assertCountEqual(
             os.listdir(model_dir),
-            ["checkpoints", "history.json", "summary.json", "trainer.json"]
+            ["checkpoints", "history.json", "summary.json", "trainer.json", "trainer.lock"]
             + [os.path.basename(f) for f in _event_files(model_dir)],
         )
         latest = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))

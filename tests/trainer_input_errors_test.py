@@ -58,6 +58,29 @@ def _existing_file():
     return tempfile.mkstemp()[1]
 
 
+def _locked_by_another_launch():
+    """A run directory whose lock another process holds until the test process ends."""
+    model_dir = tempfile.mkdtemp()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); f.write('pid 1 on test\\n');"
+            " f.flush(); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True);"
+            " time.sleep(60)",
+            os.path.join(model_dir, "trainer.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    _HOLDERS.append(holder)
+    return model_dir
+
+
+_HOLDERS = []
+
+
 def _with_empty_marker():
     """A run directory whose marker a kill left empty (as a non-atomic write could)."""
     model_dir = tempfile.mkdtemp()
@@ -66,6 +89,13 @@ def _with_empty_marker():
 
 
 class InputErrorTest(parameterized.TestCase):
+    def tearDown(self):
+        while _HOLDERS:  # The lock holders end with their test.
+            holder = _HOLDERS.pop()
+            holder.kill()
+            holder.wait(timeout=10)
+        super().tearDown()
+
     def _fails_in_one_line(self, module, args, pattern):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         start = time.monotonic()
@@ -127,6 +157,12 @@ class InputErrorTest(parameterized.TestCase):
             "unexpected_argument",
             lambda: ["stray"],
             r"mnist_sigmoid: error: Unexpected arguments: \['stray'\]",
+        ),
+        (
+            "busy_model_dir",
+            lambda: [f"--model_dir={_locked_by_another_launch()}"],
+            r"mnist_sigmoid: error: --model_dir=.* is in use by pid 1 on test, which holds "
+            r"trainer.lock",
         ),
         (
             "empty_marker",

@@ -436,10 +436,10 @@ def main(argv):
         # The strategy comes first: datasets and variables are created under it.
         runner = config.create_runner()
         skeleton.check_replicas(config.loop(), runner.num_replicas)
+        if runner.is_chief:
+            preflight.claim_model_dir(config.model_dir, TRAINER)
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    if runner.is_chief:
-        preflight.claim_model_dir(config.model_dir, TRAINER)
     train = lambda one: train_variant(one, spec, runner)
     if config.variant == "all":
         inception_table2.run(config, train, config_values, writes=runner.is_chief)

@@ -294,10 +294,11 @@ def main(argv):
         # The runner comes first: datasets and variables are created under it.
         runner = config.create_runner()
         skeleton.check_replicas(config.loop(config.networks[0], config.seed), runner.num_replicas)
+        if runner.is_chief:
+            preflight.claim_model_dir(config.model_dir, TRAINER)
         train, test = load_data(config)
     root = None
     if runner.is_chief:
-        preflight.claim_model_dir(config.model_dir, TRAINER)
         root = tf.summary.create_file_writer(config.model_dir)
         mnist_report.write_dashboards(root, [RUN_NAMES[n] for n in config.networks])
     runs = {RUN_NAMES[norm]: [] for norm in config.networks}

@@ -13,6 +13,11 @@ import sys
 import tempfile
 
 MARKER = "trainer.json"
+LOCK = "trainer.lock"
+# The OS locks this process holds, by directory: kept until the process ends,
+# when the OS drops them, killed or not; a relaunch in the same process (a
+# test's resume) keeps the one it holds.
+_HELD_LOCKS = {}
 
 
 class InputError(ValueError):
@@ -86,13 +91,46 @@ def model_dir_owner(model_dir):
         ) from None
 
 
+def lock_model_dir(model_dir):
+    """Takes `model_dir`'s OS file lock for this process, so no second launch writes there.
+
+    A remote directory (gs://...) has no OS lock and is not locked.
+
+    Raises:
+        InputError: if another process holds the lock, naming its pid and host.
+    """
+    import fcntl
+    import socket
+
+    key = os.path.realpath(model_dir)
+    if _is_remote(model_dir) or key in _HELD_LOCKS:
+        return
+    handle = open(os.path.join(model_dir, LOCK), "a+")  # Held open until the process ends.
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise InputError(
+            f"--model_dir={model_dir} is in use by {owner}, which holds {LOCK}; wait for that "
+            "launch to end, or pass another --model_dir."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    _HELD_LOCKS[key] = handle
+
+
 def claim_model_dir(model_dir, trainer):
-    """Records `trainer` as the writer of `model_dir` (the chief calls it once)."""
+    """Locks `model_dir` and records `trainer` as its writer (the chief calls it once)."""
     import tensorflow as tf
 
     from trainers import summaries  # Atomic JSON: a kill never leaves half a marker.
 
     tf.io.gfile.makedirs(model_dir)
+    lock_model_dir(model_dir)
     summaries.write_json(os.path.join(model_dir, MARKER), {"trainer": trainer})
 
 
