@@ -150,7 +150,7 @@ class BatchPlan:
         if self.sliced:  # γ and β broadcast over the slice axis too.
             gamma, beta = ops.expand_dims(gamma, 0), ops.expand_dims(beta, 0)
         axes = self._axes(reduction_axes)
-        count, mean, variance = normalize.batch_moments(x, axes, weights, self.groups)
+        count, mean, variance = moments.batch_moments(x, axes, weights, self.groups)
         if correction is not None:
             r, d = correction(mean, variance)
             gamma, beta = gamma * r, beta + gamma * d

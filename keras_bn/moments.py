@@ -64,6 +64,27 @@ def local_moments(x, axes, weights=None):
     return count, mean, m2
 
 
+def batch_moments(x, axes, weights=None, groups=None):
+    """Returns `(count, mean, variance)` of `x` over `axes`, without gradient.
+
+    Args:
+        x: float input (float32 or float64, the statistics' dtype).
+        axes: tuple of the reduced axes.
+        weights: `None` or a 0/1 mask of `x`'s dtype broadcastable to `x`.
+        groups: `None` for local statistics, else the `ReplicaGroups`
+            whose group batch supplies them.
+
+    Returns:
+        `count` (the values each statistic is over: size 1 on every axis, or
+        per feature when a mask varies across features), and the mean and
+        biased variance with size 1 on `axes`.
+    """
+    count, mean, m2 = local_moments(ops.stop_gradient(x), axes, weights)
+    if groups is not None:
+        count, mean, m2 = groups.moments(count, mean, m2)
+    return count, mean, ops.divide_no_nan(m2, count)
+
+
 class ReplicaGroups:
     """Sums and moment merges over the replicas of this replica's group.
 

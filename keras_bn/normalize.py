@@ -13,7 +13,7 @@ batch (one packed all-reduce of 2C floats, G·2C with G groups), while ∂ℓ/�
 and ∂ℓ/∂β stay local: the strategy sums them across replicas like every
 other gradient.
 
-The statistics are computed first (`batch_moments`, no gradient) and passed
+The statistics are computed first (`moments.batch_moments`, no gradient) and passed
 to `normalize_with_batch_statistics`, whose custom gradient accounts for
 their dependence on x analytically; so a caller can derive other quantities
 from them (Batch Renormalization's r and d) before normalising. Everything
@@ -21,29 +21,6 @@ is in `keras.ops`, so it runs on every Keras backend.
 """
 
 from keras import ops
-
-from keras_bn import moments
-
-
-def batch_moments(x, axes, weights=None, groups=None):
-    """Returns `(count, mean, variance)` of `x` over `axes`, without gradient.
-
-    Args:
-        x: float input (float32 or float64, the statistics' dtype).
-        axes: tuple of the reduced axes.
-        weights: `None` or a 0/1 mask of `x`'s dtype broadcastable to `x`.
-        groups: `None` for local statistics, else the `moments.ReplicaGroups`
-            whose group batch supplies them.
-
-    Returns:
-        `count` (the values each statistic is over: size 1 on every axis, or
-        per feature when a mask varies across features), and the mean and
-        biased variance with size 1 on `axes`.
-    """
-    count, mean, m2 = moments.local_moments(ops.stop_gradient(x), axes, weights)
-    if groups is not None:
-        count, mean, m2 = groups.moments(count, mean, m2)
-    return count, mean, ops.divide_no_nan(m2, count)
 
 
 def normalize_with_batch_statistics(
@@ -55,7 +32,7 @@ def normalize_with_batch_statistics(
         x: float input.
         gamma: scale of `x`'s dtype, broadcastable to `x` (size 1 on `axes`).
         beta: offset, shaped like `gamma`.
-        mean, variance, count: `batch_moments(x, axes, weights, groups)`.
+        mean, variance, count: `moments.batch_moments(x, axes, weights, groups)`.
         axes: tuple of the reduced axes.
         epsilon: float, added to the variance.
         weights: `None` or the 0/1 mask the statistics were computed with.

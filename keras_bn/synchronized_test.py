@@ -356,7 +356,7 @@ class XlaTest(parameterized.TestCase):
             def step(x):
                 with tf.GradientTape() as tape:
                     tape.watch([x, gamma, beta])
-                    count, mean, variance = normalize.batch_moments(x, axes, groups=groups)
+                    count, mean, variance = moments.batch_moments(x, axes, groups=groups)
                     y = normalize.normalize_with_batch_statistics(
                         x,
                         gamma,
