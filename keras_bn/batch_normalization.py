@@ -376,7 +376,6 @@ class BatchNormalization(keras.layers.Layer):
             synchronized=self.synchronized,
             group_size=self.sync_group_size,
             virtual_batch_size=self.virtual_batch_size,
-            fused=self.fused,
         )
         y, (count, mean, variance) = plan.normalize(
             x,
@@ -386,6 +385,7 @@ class BatchNormalization(keras.layers.Layer):
             epsilon=self.epsilon,
             weights=weights,
             correction=self._renorm_correction if self.renorm else None,
+            fused=self.fused,
         )
         self._update_moving_statistics(count, mean, variance)
         return self._output(y)

@@ -102,19 +102,19 @@ class BatchPlan:
         slice_size: the ghost batch size v, or `None`.
         groups: `None`, or the `moments.ReplicaGroups` that merges moments
             and gradient sums across `tf.distribute` replicas.
-        fused: the layer's `fused` (`kernels.choose` decides the kernel).
     """
 
     slices: int | None = 1
     slice_size: int | None = None
     groups: moments.ReplicaGroups | None = None
-    fused: bool | None = None
 
     @property
     def sliced(self):
         return self.slices != 1
 
-    def normalize(self, x, gamma, beta, *, reduction_axes, epsilon, weights=None, correction=None):
+    def normalize(
+        self, x, gamma, beta, *, reduction_axes, epsilon, weights=None, correction=None, fused=None
+    ):
         """One training call's normalisation, in the plan's partition.
 
         Splits the batch into its slices, takes each slice's moments (merged
@@ -134,15 +134,14 @@ class BatchPlan:
             correction: `None`, or a function from a slice's `(mean,
                 variance)` to Batch Renormalization's `(r, d)`, which turn the
                 transform into γ (r x̂ + d) + β.
+            fused: the layer's `fused`, for `kernels.choose`.
 
         Returns:
             `(y, (count, mean, variance))`: the output, shaped as `x`, and
             the moments pooled over the slices (see `_pool`), per feature.
         """
         plain = not self.sliced and self.groups is None and weights is None and not correction
-        kernel = kernels.choose(
-            x, reduction_axes, epsilon, fused=self.fused, training=True, plain=plain
-        )
+        kernel = kernels.choose(x, reduction_axes, epsilon, fused=fused, training=True, plain=plain)
         if kernel is not None:
             return kernel.train(x, ops.reshape(gamma, (-1,)), ops.reshape(beta, (-1,)), epsilon)
         x = self._split(x)
@@ -219,9 +218,7 @@ class BatchPlan:
         return ops.divide_no_nan(total, nonempty), pooled_mean, pooled_variance
 
 
-def make_plan(
-    context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size, fused=None
-):
+def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size):
     """The `BatchPlan` of one training call.
 
     Args:
@@ -232,7 +229,6 @@ def make_plan(
         synchronized: the layer's `synchronized`.
         group_size: the layer's `sync_group_size` (`None`: all replicas).
         virtual_batch_size: the layer's `virtual_batch_size` or `None`.
-        fused: the layer's `fused`, kept for `BatchPlan.normalize`.
 
     Raises:
         ValueError: when the mesh's replicas do not divide the batch, the
@@ -250,7 +246,7 @@ def make_plan(
     if synchronized and context.replica_context is not None and replicas > 1 and group_size != 1:
         groups = moments.ReplicaGroups(context.replica_context, group_size)
     if not batch_reduced:
-        return BatchPlan(fused=fused, groups=groups)
+        return BatchPlan(groups=groups)
     mesh = context.mesh_replicas
     if mesh > 1 and (batch_size is None or batch_size % mesh):
         raise ValueError(
@@ -259,7 +255,7 @@ def make_plan(
         )
     if virtual_batch_size is not None and batch_size != 0:
         if batch_size is None:
-            return BatchPlan(fused=fused, slices=None, slice_size=virtual_batch_size, groups=groups)
+            return BatchPlan(slices=None, slice_size=virtual_batch_size, groups=groups)
         per_replica = batch_size // mesh
         if per_replica % virtual_batch_size:
             raise ValueError(
@@ -267,16 +263,14 @@ def make_plan(
                 f"{per_replica} examples. Received: virtual_batch_size={virtual_batch_size}, "
                 f"per-replica batch={per_replica}"
             )
-        return BatchPlan(
-            fused=fused, slices=batch_size // virtual_batch_size, slice_size=virtual_batch_size
-        )
+        return BatchPlan(slices=batch_size // virtual_batch_size, slice_size=virtual_batch_size)
     if mesh == 1:
         # One replica: its batch is the whole batch, whatever the grouping
         # (as under tf.distribute without a strategy).
-        return BatchPlan(fused=fused, groups=groups)
+        return BatchPlan(groups=groups)
     if not synchronized:
-        return BatchPlan(fused=fused, slices=mesh)
-    return BatchPlan(fused=fused, slices=mesh // (group_size or mesh))
+        return BatchPlan(slices=mesh)
+    return BatchPlan(slices=mesh // (group_size or mesh))
 
 
 def _assert_divisible(x, size):

@@ -156,15 +156,21 @@ def _faster_here(x):
     """The measured rule: whether this engine's fused kernel is the faster path here."""
     if keras.backend.backend() != "tensorflow":
         return True
-    import tensorflow as tf  # Only the TensorFlow rule looks at devices.
-
-    if tf.config.list_logical_devices("GPU"):
+    if _tensorflow_has_gpu():
         return True
     if not tensorflow_onednn_enabled():
         return False
     known = [d for d in x.shape if d is not None]
     # A batch size known only at run time counts as large (training batches).
     return len(known) < len(x.shape) or math.prod(known) >= MIN_ONEDNN_FUSED_SIZE
+
+
+@functools.cache
+def _tensorflow_has_gpu():
+    """Whether TensorFlow sees a GPU: fixed once its runtime is up, which listing starts."""
+    import tensorflow as tf
+
+    return bool(tf.config.list_logical_devices("GPU"))
 
 
 @functools.cache

@@ -17,7 +17,6 @@ import tensorflow as tf  # noqa: E402
 from keras_bn import batch_normalization  # noqa: E402
 from keras_bn import batch_plan  # noqa: E402
 from keras_bn import moments  # noqa: E402
-from keras_bn import normalize  # noqa: E402
 from tests import sync_fixtures  # noqa: E402
 
 BatchNormalization = batch_normalization.BatchNormalization
@@ -356,17 +355,9 @@ class XlaTest(parameterized.TestCase):
             def step(x):
                 with tf.GradientTape() as tape:
                     tape.watch([x, gamma, beta])
-                    count, mean, variance = moments.batch_moments(x, axes, groups=groups)
-                    y = normalize.normalize_with_batch_statistics(
-                        x,
-                        gamma,
-                        beta,
-                        mean,
-                        variance,
-                        count,
-                        axes=axes,
-                        epsilon=1e-3,
-                        groups=groups,
+                    # The plan's own sequence, on the general path (no slices).
+                    y, (count, mean, variance) = batch_plan.BatchPlan(groups=groups).normalize(
+                        x, gamma, beta, reduction_axes=axes, epsilon=1e-3, fused=False
                     )
                     loss = tf.reduce_sum(y * w)
                 return [y, mean, variance, count] + tape.gradient(loss, [x, gamma, beta])
