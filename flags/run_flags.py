@@ -25,3 +25,20 @@ SEED = flags.DEFINE_integer(
 @flags.validator("model_dir", message="--model_dir must not be empty.")
 def _model_dir_not_empty(value):
     return bool(value and value.strip())
+
+
+ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change",
+    False,
+    "Resume a run in --model_dir whose recorded settings (seed, batch size, learning rate, "
+    "network or variant, ...) differ from this launch's; the change is recorded in its "
+    "history.json. Without it such a relaunch is refused.",
+)
+DETERMINISTIC = flags.DEFINE_bool(
+    "deterministic",
+    True,
+    "Bit-identical runs for the same command and seed on the same machine and engine: "
+    "TensorFlow's op determinism (tf.config.experimental.enable_op_determinism); JAX's CPU "
+    "programs are deterministic as compiled. Turn it off for speed where a deterministic op "
+    "is slower (some GPU kernels).",
+)

@@ -62,13 +62,14 @@ def _text(run_dir, tag):
 def _weights(run_dir):
     """The model's values in the run's latest checkpoint (either engine's format)."""
     checkpoints = os.path.join(run_dir, "checkpoints")
-    if keras.backend.backend() == "jax":  # trainers.jax_runner.NpzCheckpointer
-        latest = max(
-            tf.io.gfile.glob(os.path.join(checkpoints, "ckpt-*.npz")),
-            key=lambda p: int(p.rsplit("-", 1)[1].split(".")[0]),
-        )
-        with np.load(latest) as saved:
-            return {name: saved[name] for name in saved.files if ":model/" in name}
+    if keras.backend.backend() == "jax":  # trainers.jax_runner.OrbaxCheckpointer
+        import orbax.checkpoint as ocp
+
+        options = ocp.CheckpointManagerOptions(read_only=True)
+        handler = ocp.StandardCheckpointHandler()
+        with ocp.CheckpointManager(checkpoints, item_handlers=handler, options=options) as saved:
+            values = saved.restore(saved.latest_step())["model"]
+        return {f"model/{i}": np.asarray(value) for i, value in enumerate(values)}
     reader = tf.train.load_checkpoint(checkpoints)
     return {
         name: reader.get_tensor(name)

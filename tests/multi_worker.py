@@ -7,9 +7,12 @@ cluster environment: TF_CONFIG for a MultiWorkerMirroredStrategy job
 the OS, but another process may take one between the pick and the worker
 binding it, so a launch whose worker reports an address clash is retried
 with new ports. Every process is killed in `finally`, and the launch's waits
-together are bounded.
+together are bounded. `started_workers` hands the running workers to a
+test that acts on them (killing one) before they end.
 """
 
+import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -78,43 +81,75 @@ def run_workers(
     return results
 
 
+def port_clash(returncode, output):
+    """Whether a worker that ended with `returncode` and `output` failed to bind its port."""
+    return returncode != 0 and any(c in output for c in _CLASH)
+
+
 def _port_clash(results):
-    return any(code != 0 and any(c in out for c in _CLASH) for code, out in results)
+    return any(port_clash(code, out) for code, out in results)
 
 
 def _launch(module, args_per_worker, timeout_s, extra_env, cluster_env):
-    workers = [f"127.0.0.1:{port}" for port in free_ports(len(args_per_worker))]
-    processes, outputs = [], []
     deadline = time.monotonic() + timeout_s
+    with started_workers(module, args_per_worker, extra_env, cluster_env) as workers:
+        for worker in workers:
+            worker.process.wait(timeout=max(deadline - time.monotonic(), 1.0))
+        return [(worker.process.returncode, worker.output()) for worker in workers]
+
+
+@dataclasses.dataclass
+class Worker:
+    """A started worker: its process, its cluster address and the file of its output."""
+
+    process: subprocess.Popen
+    address: str
+    file: object
+
+    def output(self):
+        """Everything the worker has written so far (stdout and stderr interleaved)."""
+        # pread, not seek and read: the worker writes through the same file
+        # offset, which a seek here would move under it.
+        fd = self.file.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
+@contextlib.contextmanager
+def started_workers(module, args_per_worker, extra_env=None, cluster_env=tf_config_env):
+    """Starts one worker per entry of `args_per_worker` and yields their `Worker`s.
+
+    No port clash is retried here (see `run_workers` and `port_clash`). On
+    leaving, every worker still running is killed and the output files closed.
+    """
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(len(args_per_worker))]
+    workers = []
     try:
         for index, args in enumerate(args_per_worker):
             env = dict(os.environ)
-            env.update(extra_env)
-            env.update(cluster_env(workers, index))
+            env.update(extra_env or {})
+            env.update(cluster_env(addresses, index))
             env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
             env["CUDA_VISIBLE_DEVICES"] = ""
             # A file, not a pipe: a worker whose unread pipe filled up would
             # block, and the others with it in their next collective.
-            outputs.append(tempfile.TemporaryFile())
-            processes.append(
-                subprocess.Popen(
+            file = tempfile.TemporaryFile()
+            try:
+                process = subprocess.Popen(
                     [sys.executable, "-m", module, *args],
                     cwd=ROOT,
                     env=env,
-                    stdout=outputs[-1],
+                    stdout=file,
                     stderr=subprocess.STDOUT,
                 )
-            )
-        results = []
-        for process, output in zip(processes, outputs):
-            process.wait(timeout=max(deadline - time.monotonic(), 1.0))
-            output.seek(0)
-            results.append((process.returncode, output.read().decode(errors="replace")))
-        return results
+            except BaseException:
+                file.close()
+                raise
+            workers.append(Worker(process, addresses[index], file))
+        yield workers
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for output in outputs:
-            output.close()
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.kill()
+                worker.process.wait()
+        for worker in workers:
+            worker.file.close()

@@ -4,13 +4,18 @@ Only the chief may write into --model_dir: one event file per launch, its
 history and summary, its checkpoints. The other worker checkpoints into its
 own temporary directory. A relaunch of both workers resumes at the chief's
 checkpointed step. The chief logs the BN monitor's health while the other
-worker trains on.
+worker trains on. When a worker is SIGKILLed mid-run, the chief ends within
+a minute in one line naming it and the relaunch that resumes, which does.
 """
 
 import glob
 import json
 import os
+import re
+import subprocess
 import tempfile
+import time
+from unittest import mock
 
 from absl.testing import absltest
 import numpy as np
@@ -19,14 +24,18 @@ import tensorflow as tf
 
 from tests import multi_worker
 from tests import tensorboard_events
+from trainers import event_files
 from trainers import inception_bn
 from trainers import inception_recipes
+from trainers import strategy as strategy_lib
 
 _TIMEOUT_S = 300
+_MODULE = "trainers.inception_bn"
+_LOSS_LIMIT_S = 60  # The survivor ends within this of a worker's loss.
 
 
-def _launch(model_dir, train_steps):
-    args = [
+def _args(model_dir, train_steps):
+    return [
         "--use_fake_data",
         "--image_size=32",
         "--eval_every=1",
@@ -38,11 +47,37 @@ def _launch(model_dir, train_steps):
         f"--train_steps={train_steps}",
         f"--model_dir={model_dir}",
     ]
-    return multi_worker.run_workers("trainers.inception_bn", [args, args], timeout_s=_TIMEOUT_S)
 
 
-def _event_files(model_dir):
-    return glob.glob(os.path.join(model_dir, "**", "events.out.tfevents.*"), recursive=True)
+def _launch(model_dir, train_steps):
+    args = _args(model_dir, train_steps)
+    return multi_worker.run_workers(_MODULE, [args, args], timeout_s=_TIMEOUT_S)
+
+
+def _await_checkpoint(model_dir, workers):
+    """Waits for the chief's first committed checkpoint; False if a worker lost its port.
+
+    Committed: listed in TensorFlow's `checkpoint` state file, written after
+    the checkpoint's own files.
+    """
+    deadline = time.monotonic() + _TIMEOUT_S
+    while not tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")):
+        for worker in workers:
+            code = worker.process.poll()
+            if code is not None:
+                if multi_worker.port_clash(code, worker.output()):
+                    return False
+                raise AssertionError(f"A worker ended first ({code}):\n{worker.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"No checkpoint within {_TIMEOUT_S} s")
+        time.sleep(0.2)
+    return True
+
+
+def _event_files(model_dir, end=False):
+    """The launches' event files, or with `end` the run's end-of-run file."""
+    paths = glob.glob(os.path.join(model_dir, "**", "events.out.tfevents.*"), recursive=True)
+    return [p for p in paths if p.endswith(event_files.END_SUFFIX) == end]
 
 
 @pytest.mark.slow
@@ -52,10 +87,13 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         for code, output in _launch(model_dir, train_steps=2):
             self.assertEqual(code, 0, output[-3000:])
         self.assertLen(_event_files(model_dir), 1)
+        self.assertLen(_event_files(model_dir, end=True), 1)
         self.assertCountEqual(
             os.listdir(model_dir),
             ["checkpoints", "history.json", "summary.json", "trainer.json", "trainer.lock"]
-            + [os.path.basename(f) for f in _event_files(model_dir)],
+            + [
+                os.path.basename(f) for f in _event_files(model_dir) + _event_files(model_dir, True)
+            ],
         )
         latest = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
         self.assertTrue(latest.endswith("-2"), latest)
@@ -78,12 +116,135 @@ class MultiWorkerTrainerTest(absltest.TestCase):
             self.assertEqual(json.load(f)["steps"], 4)
         with open(os.path.join(model_dir, "history.json")) as f:
             self.assertEqual([e["step"] for e in json.load(f)["evals"]], [1, 2, 3, 4])
-        # One event file per launch, all the chief's: every step logged once.
+        # One event file per launch, all the chief's, and one end-of-run file (the
+        # first launch's end was removed: the run went on): every step logged once.
         self.assertLen(_event_files(model_dir), 2)
+        self.assertLen(_event_files(model_dir, end=True), 1)
         tags = tensorboard_events.read_events(model_dir)
         self.assertEqual([s for s, _ in tags["train/loss"]], [1, 2, 3, 4])
         # BN health, probed by the chief alone in its local replica.
         self.assertEqual([s for s, _ in tags["batch_norm/worst_train_inference_gap"]], [1, 2, 3, 4])
+
+    def test_lost_worker_ends_the_chief_in_one_line_and_relaunch_resumes(self):
+        model_dir = tempfile.mkdtemp()
+        # Enough steps that the chief is still training when worker 1 dies.
+        args = _args(model_dir, train_steps=8)
+        for _ in range(3):  # Launches retried while a worker loses its port.
+            with multi_worker.started_workers(_MODULE, [args, args]) as workers:
+                if not _await_checkpoint(model_dir, workers):
+                    continue
+                workers[1].process.kill()
+                killed = time.monotonic()
+                try:
+                    code = workers[0].process.wait(timeout=_LOSS_LIMIT_S)
+                except subprocess.TimeoutExpired:
+                    self.fail(f"The chief still ran {_LOSS_LIMIT_S} s after worker 1's loss")
+                seconds = time.monotonic() - killed
+                output = workers[0].output()
+            break
+        else:
+            self.fail("Every launch lost a port")
+        self.assertLess(seconds, _LOSS_LIMIT_S)
+        self.assertNotEqual(code, 0, output[-3000:])
+        self.assertNotIn("Traceback", output)
+        last_line = [line for line in output.splitlines() if line.strip()][-1]
+        error = re.fullmatch(
+            rf"inception_bn: error: lost worker 1 \({re.escape(workers[1].address)}\) of this "
+            r"job; .*Relaunch every worker with the same command: it resumes from the last "
+            r"checkpoint, step (\d+) \(.*\)\.",
+            last_line,
+        )
+        self.assertIsNotNone(error, last_line)
+        step = int(error[1])
+        self.assertLess(step, 8)
+
+        for code, output in _launch(model_dir, train_steps=8):
+            self.assertEqual(code, 0, output[-3000:])
+            self.assertRegex(output, rf"at step {step}\b")  # Both from the chief's checkpoint.
+        with open(os.path.join(model_dir, "summary.json")) as f:
+            self.assertEqual(json.load(f)["steps"], 8)
+
+
+# TensorFlow's errors in a survivor, as real runs raised them: a compiled
+# step's collective finding the peer's connection reset, and an eager one
+# aborted by the coordination service's missed heartbeats.
+_RESET = (
+    "Graph execution error:\n\nDetected at node while/CollectiveReduceV2_11 defined at (most "
+    'recent call last):\n  File "trainers/loops.py", line 38, in run\n\nCollective ops is '
+    "aborted by: recvmsg:Connection reset by peer\nAdditional GRPC error information from "
+    "remote target /job:worker/replica:0/task:{peer} while calling "
+    "/tensorflow.WorkerService/RecvBuf:\n\t [[{{{{node while/CollectiveReduceV2_11}}}}]]"
+)
+_HEARTBEATS = (
+    "{{{{function_node __wrapped__CollectiveReduceV2_device_/job:worker/replica:0/task:{this}"
+    "/device:CPU:0}}}} Collective ops is aborted by: Error reported from /job:worker/task:{peer}: "
+    "The following tasks are unhealthy (stopped sending heartbeats):\n"
+    "/job:worker/replica:0/task:{peer}\nThe tasks have crashed."
+)
+
+
+def _distribution(name):
+    """A `DistributionConfig` of strategy `name`."""
+    return strategy_lib.DistributionConfig(name, None, None, None, False, None)
+
+
+class LostWorkerMessageTest(absltest.TestCase):
+    """The one line a survivor's TensorFlow error becomes (no processes started)."""
+
+    def lost(self, error, this=0, model_dir=None):
+        """The `WorkerLostError` message `error` becomes in worker `this` of a 2-worker job."""
+        cluster = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": this}})
+        config = _distribution("multi_worker_mirrored")
+        with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
+            with self.assertRaises(strategy_lib.WorkerLostError) as raised:
+                with config.reporting_lost_workers(model_dir or tempfile.mkdtemp()):
+                    raise error
+        return str(raised.exception)
+
+    def test_names_the_peer_and_the_newest_checkpoint(self):
+        model_dir = tempfile.mkdtemp()
+        for run, step, mtime in [("bn_x5", 9, 1.0), ("inception", 2, 2.0)]:
+            os.makedirs(os.path.join(model_dir, run, "checkpoints"))
+            index = os.path.join(model_dir, run, "checkpoints", f"ckpt-{step}.index")
+            open(index, "w").close()
+            os.utime(index, (mtime, mtime))
+        message = self.lost(
+            tf.errors.UnavailableError(None, None, _RESET.format(peer=1)), model_dir=model_dir
+        )
+        self.assertEqual(
+            message,
+            "lost worker 1 (127.0.0.1:1001) of this job; this is worker 0 (127.0.0.1:1000), which "
+            "stops too (TensorFlow: Collective ops is aborted by: recvmsg:Connection reset by "
+            "peer). Relaunch every worker with the same command: it resumes from the last "
+            f"checkpoint, step 2 ({model_dir}/inception/checkpoints/ckpt-2).",
+        )
+
+    def test_a_lost_chief_seen_by_heartbeats(self):
+        error = tf.errors.UnavailableError(None, None, _HEARTBEATS.format(this=1, peer=0))
+        message = self.lost(error, this=1, model_dir="/nonexistent")
+        self.assertStartsWith(
+            message, "lost worker 0 (127.0.0.1:1000) of this job; this is worker 1"
+        )
+        self.assertIn("(stopped sending heartbeats): /job:worker/replica:0/task:0)", message)
+        self.assertEndsWith(message, "--model_dir=/nonexistent yet, so it starts over.")
+
+    def test_an_unnamed_peer_lists_the_job(self):
+        message = self.lost(tf.errors.CancelledError(None, None, "Socket closed"))
+        self.assertStartsWith(
+            message,
+            "lost a worker of this job (worker 0 (127.0.0.1:1000), worker 1 (127.0.0.1:1001); "
+            "TensorFlow does not say which); this is worker 0 (127.0.0.1:1000)",
+        )
+
+    def test_other_errors_and_strategies_pass_through(self):
+        for name, error in [
+            ("multi_worker_mirrored", tf.errors.InternalError(None, None, "a kernel's bug")),
+            ("mirrored", tf.errors.UnavailableError(None, None, "Socket closed")),
+        ]:
+            with self.assertRaises(type(error)):
+                with _distribution(name).reporting_lost_workers("/nonexistent"):
+                    raise error
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def test_dependencies_are_keras_and_numpy_and_the_rest_extras(wheel):
         "tensorboard",
         "absl-py",
         "matplotlib",
+        "orbax-checkpoint",
     }
     assert {"pytest", "jax", "absl-py"} <= extras["test"]
     assert extras["docs"] == {"mkdocs", "mkdocs-material", "mkdocstrings-python"}

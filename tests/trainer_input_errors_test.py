@@ -1,8 +1,10 @@
 """Bad --model_dir, data or flags end a trainer with one error line, fast, no traceback."""
 
+import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -10,32 +12,82 @@ import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
+from tests import data_dirs
 from trainers import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIMIT_S = 15
+SHARED_DATA = data_dirs.SHARED_DATA
+IMAGENET_SPLITS = ("train", "validation")
 # TensorFlow's own C++ log lines (for example a failed CUDA probe on a machine
 # without a GPU), which are not the trainer's output.
 _RUNTIME_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
 
 
-def _fake_mnist(splits=("train", "test")):
-    """A TFDS data dir whose mnist/3.0.1 has dataset_info.json and the shards of `splits`."""
+def _fake_tfds(name, splits, present=None, damage=None):
+    """A TFDS data dir whose `name`/3.0.1 has dataset_info.json and the shards of `present`.
+
+    Each shard holds 10 TFRecords of 100 bytes; `damage(path)` may then
+    alter the first shard of the first split.
+    """
+    import tensorflow as tf  # Writes the TFRecord framing and checksums.
+
     data_dir = tempfile.mkdtemp()
-    version_dir = os.path.join(data_dir, "mnist", "3.0.1")
+    version_dir = os.path.join(data_dir, name, "3.0.1")
     os.makedirs(version_dir)
     info = {
         "fileFormat": "tfrecord",
-        "splits": [
-            {"name": "train", "shardLengths": ["60000"]},
-            {"name": "test", "shardLengths": ["10000"]},
-        ],
+        "splits": [{"name": split, "shardLengths": ["10"], "numBytes": "1000"} for split in splits],
     }
     with open(os.path.join(version_dir, "dataset_info.json"), "w") as f:
         json.dump(info, f)
-    for split in splits:
-        open(os.path.join(version_dir, f"mnist-{split}.tfrecord-00000-of-00001"), "w").close()
+    shards = [
+        os.path.join(version_dir, f"{name}-{split}.tfrecord-00000-of-00001")
+        for split in (splits if present is None else present)
+    ]
+    for shard in shards:
+        with tf.io.TFRecordWriter(shard) as writer:
+            for i in range(10):
+                writer.write(bytes([i]) * 100)
+    if damage:
+        damage(shards[0])
+    return data_dir
+
+
+def _fake_mnist(splits=("train", "test"), damage=None):
+    return _fake_tfds("mnist", ("train", "test"), present=splits, damage=damage)
+
+
+def _truncate(path):
+    os.truncate(path, os.path.getsize(path) - 10)
+
+
+def _garbage(path):
+    with open(path, "wb") as f:
+        f.write(os.urandom(1160))  # The size of 10 framed records of 100 bytes.
+
+
+def _checksum_error(path):
+    """Flips a byte of record 3's data: the size and framing stay whole."""
+    with open(path, "r+b") as f:
+        f.seek(3 * 116 + 12 + 50)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _fashion_mnist(damage):
+    """A copy of the shared Fashion-MNIST with its train shard altered by `damage(path)`."""
+    data_dir = tempfile.mkdtemp()
+    shutil.copytree(
+        os.path.join(SHARED_DATA, "fashion_mnist"), os.path.join(data_dir, "fashion_mnist")
+    )
+    for root, _, files in os.walk(data_dir):  # The shared copy is read-only.
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    damage(glob.glob(os.path.join(data_dir, "fashion_mnist", "*", "*-train.tfrecord-*"))[0])
     return data_dir
 
 
@@ -96,11 +148,19 @@ class InputErrorTest(parameterized.TestCase):
             holder.wait(timeout=10)
         super().tearDown()
 
-    def _fails_in_one_line(self, module, args, pattern):
+    def _fails_in_one_line(self, module, args, pattern, limit_s=_LIMIT_S, up_front=True):
+        """Runs `python -m module *args` ("-c" for `module`: a program), checks its one error line.
+
+        The run must fail within `limit_s` with one error line matching
+        `pattern` and no traceback; `up_front`, with nothing new in its
+        --model_dir (unless it held a run already).
+        """
+        model_dirs = [a.split("=", 1)[1] for a in args if a.startswith("--model_dir=")]
+        before = {d: os.listdir(d) if os.path.isdir(d) else [] for d in model_dirs}
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         start = time.monotonic()
         result = subprocess.run(
-            [sys.executable, "-m", module, *args],
+            [sys.executable, *(["-c"] if module == "-c" else ["-m", module]), *args],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -118,7 +178,15 @@ class InputErrorTest(parameterized.TestCase):
         ]
         self.assertLen(errors, 1, result.stderr[-2000:])
         self.assertRegex(errors[0], pattern)
-        self.assertLess(elapsed, _LIMIT_S)
+        self.assertLess(elapsed, limit_s)
+        for model_dir, listed in before.items() if up_front else ():
+            if os.path.isdir(model_dir) and "trainer.json" not in listed:
+                self.assertCountEqual(os.listdir(model_dir), listed, model_dir)
+        return errors[0]
+
+    def _needs_shared_data(self, name):
+        if not os.path.isdir(os.path.join(SHARED_DATA, name)):
+            self.skipTest(f"No {name} under {SHARED_DATA}")
 
     @parameterized.named_parameters(
         (
@@ -179,6 +247,42 @@ class InputErrorTest(parameterized.TestCase):
             lambda: ["--learning_rate=inf"],
             r"--learning_rate must be a finite number > 0",
         ),
+        (
+            "batch_larger_than_the_data",
+            lambda: ["--batch_size=70000"],
+            r"^mnist_sigmoid: error: A training batch cannot be larger than the 60000 training "
+            r"examples of MNIST's train split: pass --batch_size=60000 or less\. "
+            r"Received: batch_size=70000$",
+        ),
+        (
+            "batch_larger_than_the_subset",
+            lambda: ["--train_subset=100", "--batch_size=500"],
+            r"^mnist_sigmoid: error: A training batch cannot be larger than the 100 training "
+            r"examples of --train_subset=100: pass --batch_size=100 or less\. "
+            r"Received: batch_size=500$",
+        ),
+        (
+            "truncated_shard",
+            lambda: [f"--data_dir={_fake_mnist(damage=_truncate)}"],
+            r"^mnist_sigmoid: error: mnist under --data_dir=.* has a corrupt shard, "
+            r"/.*/mnist-train.tfrecord-00000-of-00001: record 9 at byte 1044 claims 100 bytes, "
+            r"past the end of the file \(1150 bytes\)\. Delete .*/mnist/3.0.1 and prepare it "
+            r"again\. To get MNIST",
+        ),
+        (
+            "shard_of_garbage",
+            lambda: [f"--data_dir={_fake_mnist(damage=_garbage)}"],
+            r"mnist_sigmoid: error: mnist under --data_dir=.* has a corrupt shard, "
+            r"/.*/mnist-train.tfrecord-00000-of-00001: record 0 at byte 0 claims \d+ bytes, past "
+            r"the end of the file \(1160 bytes\)",
+        ),
+        (
+            "shard_with_a_bad_checksum",
+            lambda: [f"--data_dir={_fake_mnist(damage=_checksum_error)}"],
+            r"mnist_sigmoid: error: mnist under --data_dir=.* has a corrupt shard, "
+            r"/.*/mnist-train.tfrecord-00000-of-00001: TensorFlow reads a corrupted record at "
+            r"360\. Delete",
+        ),
     )
     def test_mnist(self, make_args, pattern):
         args = make_args()
@@ -204,6 +308,24 @@ class InputErrorTest(parameterized.TestCase):
             r"--jit_compile cannot be combined with --sync_batch_norm",
         ),
         (
+            "unknown_dataset",
+            lambda: [f"--model_dir={tempfile.mkdtemp()}", "--dataset=fashion_mnst"],
+            r"^inception_bn: error: --dataset=fashion_mnst is not a TFDS data set \(closest: "
+            r"fashion_mnist\)\. Pass the name of an image classification data set from "
+            r"https://www.tensorflow.org/datasets/catalog\.$",
+        ),
+        (
+            "imagenet_shard_of_garbage",
+            lambda: [
+                f"--model_dir={tempfile.mkdtemp()}",
+                f"--data_dir={_fake_tfds('imagenet2012', IMAGENET_SPLITS, damage=_garbage)}",
+            ],
+            r"^inception_bn: error: imagenet2012 under --data_dir=.* has a corrupt shard, "
+            r"/.*/imagenet2012-train.tfrecord-00000-of-00001: record 0 at byte 0 claims \d+ "
+            r"bytes, past the end of the file \(1160 bytes\)\. Delete .* and prepare it again\. "
+            r"TFDS cannot download ImageNet",
+        ),
+        (
             "batch_not_splitting_over_replicas",
             lambda: [
                 f"--model_dir={tempfile.mkdtemp()}",
@@ -218,6 +340,81 @@ class InputErrorTest(parameterized.TestCase):
     def test_inception(self, make_args, pattern):
         self._fails_in_one_line("trainers.inception_bn", make_args(), pattern)
 
+    @parameterized.named_parameters(
+        (
+            "batch_larger_than_the_train_split",
+            lambda: f"--data_dir={SHARED_DATA}",
+            "--batch_size=70000",
+            r"^inception_bn: error: A training batch cannot be larger than the 60000 training "
+            r"examples of fashion_mnist's train split: pass --batch_size=60000 or less\. "
+            r"Received: batch_size=70000$",
+        ),
+        (
+            "truncated_shard",
+            lambda: f"--data_dir={_fashion_mnist(_truncate)}",
+            "--batch_size=32",
+            r"^inception_bn: error: fashion_mnist under --data_dir=.* has a corrupt shard, "
+            r"/.*/fashion_mnist-train.tfrecord-00000-of-00001: record 59999 at byte \d+ claims "
+            r"\d+ bytes, past the end of the file \(\d+ bytes\)\. Delete .*/fashion_mnist/3.0.1 "
+            r"and prepare it again\. Run `tfds build fashion_mnist`\.$",
+        ),
+    )
+    def test_inception_on_fashion_mnist(self, data_dir, batch_size, pattern):
+        self._needs_shared_data("fashion_mnist")
+        args = [f"--model_dir={tempfile.mkdtemp()}", "--dataset=fashion_mnist", data_dir()]
+        self._fails_in_one_line("trainers.inception_bn", [*args, batch_size], pattern)
+
+    def test_corrupt_record_read_later_is_one_line_naming_the_file(self):
+        """What the checks cannot see (a bad checksum in a large data set) ends as one line too."""
+        data_dir = _fake_mnist(damage=_checksum_error)
+        test, shard = (
+            glob.glob(os.path.join(data_dir, "mnist", "*", f"*-{split}.tfrecord-*"))[0]
+            for split in ("test", "train")
+        )
+        program = (
+            "import sys, tensorflow as tf\n"
+            "from trainers import preflight\n"
+            "preflight.reads_data_files(sys.argv[1:])\n"
+            "with preflight.one_line_errors('reader'):\n"
+            "    list(tf.data.TFRecordDataset(sys.argv[1:]))\n"
+        )
+        line = self._fails_in_one_line("-c", [program, test, shard], r"^reader: error: ")
+        self.assertEqual(
+            line,
+            f"reader: error: The data file {shard} is corrupt (TensorFlow: corrupted record at "
+            f"360): delete {os.path.dirname(shard)} and prepare the data set again.",
+        )
+
+    @pytest.mark.slow
+    def test_inception_training_on_a_corrupt_shard_ends_in_one_line(self):
+        """The trainer's own run: a checksum error met in training names the shard."""
+        self._needs_shared_data("fashion_mnist")
+        data_dir = _fashion_mnist(_checksum_error)
+        program = (
+            "from absl import app\n"
+            "from trainers import inception_bn, preflight\n"
+            "preflight.VERIFY_BYTES = 0  # As for ImageNet: the checksums are not read up front.\n"
+            "app.run(inception_bn.main)\n"
+        )
+        args = [
+            f"--model_dir={tempfile.mkdtemp()}",
+            "--dataset=fashion_mnist",
+            f"--data_dir={data_dir}",
+            "--image_size=32",
+            "--batch_size=8",
+            "--train_steps=4",
+            "--eval_every=2",
+            "--eval_steps=1",
+        ]
+        self._fails_in_one_line(
+            "-c",
+            [program, *args],
+            r"^inception_bn: error: The data file /.*/fashion_mnist-train.tfrecord-00000-of-00001 "
+            r"is corrupt \(TensorFlow: corrupted record at \d+\): delete",
+            limit_s=300,
+            up_front=False,
+        )
+
     def test_marker_records_the_trainer_and_admits_it_again(self):
         model_dir = tempfile.mkdtemp()
         preflight.claim_model_dir(model_dir, "trainers.mnist_sigmoid")
@@ -228,6 +425,21 @@ class InputErrorTest(parameterized.TestCase):
 
     def test_complete_data_passes(self):
         preflight.check_tfds_data(_fake_mnist(), "mnist", ("train", "test"), "")
+
+    def test_shard_lacking_records_is_corrupt(self):
+        data_dir = _fake_mnist()
+        info_path = os.path.join(data_dir, "mnist", "3.0.1", "dataset_info.json")
+        with open(info_path) as f:
+            info = json.load(f)
+        info["splits"][1]["shardLengths"] = ["11"]
+        with open(info_path, "w") as f:
+            json.dump(info, f)
+        with self.assertRaisesRegex(
+            preflight.CorruptDataError,
+            r"mnist-test.tfrecord-00000-of-00001: it holds 10 records where dataset_info.json "
+            r"lists 11\.",
+        ):
+            preflight.check_tfds_data(data_dir, "mnist", ("train", "test"), "")
 
 
 if __name__ == "__main__":

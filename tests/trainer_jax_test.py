@@ -3,7 +3,9 @@
 Runs under `KERAS_BACKEND=jax` in its own process (`.ci/run`), where
 conftest.py gives JAX 8 host devices. tests/mnist_sigmoid_test.py runs
 there too (the MNIST trainer's outputs, resume and the synchronised-BN check
-on 8 devices); this file adds what only the JAX engine has.
+on 8 devices); this file adds what only the JAX engine has: its orbax
+checkpoints (file:// run directories, damaged and half-written checkpoints),
+DataParallel and the 2-process job.
 """
 
 import glob
@@ -12,15 +14,21 @@ import os
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
+from tests import flag_state
 from tests import mnist_sigmoid_test
 from tests import multi_worker
 from tests import tensorboard_events
+from trainers import event_files
+from trainers import jax_runner
+from trainers import preflight
 
 if keras.backend.backend() != "jax":
     pytest.skip(
@@ -31,13 +39,137 @@ if keras.backend.backend() != "jax":
 _TIMEOUT_S = 420
 
 
+def setUpModule():
+    flag_state.ensure_parsed()  # The in-process trainer runs read absl flags.
+
+
 def _event_files(run_dir):
-    return glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
+    """The event files of `run_dir`'s launches (not the end-of-run summaries' own file)."""
+    paths = glob.glob(os.path.join(run_dir, event_files.PATTERN))
+    return [p for p in paths if not p.endswith(event_files.END_SUFFIX)]
 
 
 def _history(run_dir):
     with open(os.path.join(run_dir, "history.json")) as f:
         return json.load(f)
+
+
+def _run_at_file_url(model_dir, **overrides):
+    """`mnist_sigmoid_test._run` of the BN network with `--model_dir=file://<model_dir>`."""
+    # _run reads the summary with `open`, which takes no URL; GFile does.
+    with mock.patch.object(mnist_sigmoid_test, "open", tf.io.gfile.GFile, create=True):
+        return mnist_sigmoid_test._run("file://" + model_dir, norm="batch_norm", **overrides)
+
+
+def _checkpoints(run_dir):
+    """The entries of the run's orbax checkpoint directory (committed steps are bare numbers)."""
+    return sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+
+
+def _damage(step_dir):
+    """Overwrites the array data files of the orbax checkpoint in `step_dir` with garbage."""
+    data_files = glob.glob(os.path.join(step_dir, "**", "d", "*"), recursive=True)
+    assert data_files, f"no array data files under {step_dir}"
+    for path in data_files:
+        with open(path, "wb") as f:
+            f.write(b"garbage")
+
+
+def _tiny_model(units):
+    """A Dense + BatchNormalization model and its built SGD optimizer."""
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(units), keras.layers.BatchNormalization()]
+    )
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+class OrbaxCheckpointerTest(absltest.TestCase):
+    """The checkpointer alone, on a small model (the trainer runs are below)."""
+
+    def test_round_trip_keeps_the_newest_and_refuses_another_model(self):
+        run_dir = tempfile.mkdtemp()
+        model, optimizer = _tiny_model(4)
+        checkpointer = jax_runner.OrbaxCheckpointer(run_dir, 2, model, optimizer)
+        self.assertEqual(checkpointer.restore(), 0)
+        for step in (2, 4, 6):
+            checkpointer.save(step)
+        self.assertEqual(checkpointer.steps(), [4, 6])
+        self.assertEqual(_checkpoints(run_dir), ["4", "6"])
+        checkpointer.close()
+
+        restored, restored_optimizer = _tiny_model(4)  # Other initial values.
+        checkpointer = jax_runner.OrbaxCheckpointer(run_dir, 2, restored, restored_optimizer)
+        self.assertEqual(checkpointer.restore(), 6)
+        checkpointer.close()
+        pairs = zip(
+            model.variables + optimizer.variables,
+            restored.variables + restored_optimizer.variables,
+        )
+        for saved, loaded in pairs:
+            np.testing.assert_array_equal(saved.numpy(), loaded.numpy(), err_msg=saved.path)
+
+        other, other_optimizer = _tiny_model(5)
+        checkpointer = jax_runner.OrbaxCheckpointer(run_dir, 2, other, other_optimizer)
+        with self.assertRaisesRegex(preflight.InputError, r"checkpoints/6 is of another model"):
+            checkpointer.restore()
+        checkpointer.close()
+
+
+class FileUrlAndDamagedCheckpointsTest(absltest.TestCase):
+    """MNIST runs in `file://` run directories, relaunched over damaged checkpoints."""
+
+    def test_file_url_run_checkpoints_and_resumes(self):
+        model_dir = tempfile.mkdtemp()
+        run_dir = os.path.join(model_dir, "batch_norm")
+        _run_at_file_url(model_dir, train_steps=4)
+        self.assertEqual(_checkpoints(run_dir), ["4"])
+        # preflight locked the URL's local directory.
+        self.assertTrue(os.path.exists(os.path.join(model_dir, preflight.LOCK)))
+        summary = _run_at_file_url(model_dir, train_steps=8)
+        self.assertEqual(summary["runs"]["batch_norm"]["steps"], 8)
+        self.assertEqual([e["step"] for e in _history(run_dir)["evals"]], [4, 8])
+        self.assertEqual(_checkpoints(run_dir), ["4", "8"])
+
+    def test_damaged_newest_checkpoint_falls_back_then_all_damaged_is_one_error(self):
+        model_dir = tempfile.mkdtemp()
+        run_dir = os.path.join(model_dir, "batch_norm")
+        mnist_sigmoid_test._run(model_dir, norm="batch_norm", train_steps=8)
+        _damage(os.path.join(run_dir, "checkpoints", "8"))
+        with self.assertLogs("absl", level="WARNING") as logs:
+            mnist_sigmoid_test._run(model_dir, norm="batch_norm", train_steps=12)
+        unreadable = [r.getMessage() for r in logs.records if "unreadable" in r.getMessage()]
+        self.assertLen(unreadable, 1)
+        self.assertIn(os.path.join(run_dir, "checkpoints", "8"), unreadable[0])
+        self.assertNotIn("\n", unreadable[0])
+        # Resumed at step 4: step 8 trained again, then 12.
+        self.assertEqual([e["step"] for e in _history(run_dir)["evals"]], [4, 8, 12])
+        self.assertCountEqual(_checkpoints(run_dir), ["8", "12"])
+
+        for step in ("8", "12"):
+            _damage(os.path.join(run_dir, "checkpoints", step))
+        # The trainer ends with the checkpointer's `preflight.InputError` as one line.
+        with self.assertRaises(SystemExit) as raised:
+            mnist_sigmoid_test._run(model_dir, norm="batch_norm", train_steps=16)
+        message = str(raised.exception.code)
+        self.assertRegex(message, r"^mnist_sigmoid: error: No checkpoint under \S+ is readable")
+        self.assertNotIn("\n", message)
+        for step in ("8", "12"):
+            self.assertIn(os.path.join(run_dir, "checkpoints", step), message)
+
+    def test_leftover_temporary_directory_of_a_killed_save_is_ignored(self):
+        model_dir = tempfile.mkdtemp()
+        run_dir = os.path.join(model_dir, "batch_norm")
+        mnist_sigmoid_test._run(model_dir, norm="batch_norm", train_steps=4)
+        # What a save of step 8 killed halfway leaves: orbax's temporary directory.
+        leftover = os.path.join(run_dir, "checkpoints", "8.orbax-checkpoint-tmp", "default")
+        os.makedirs(leftover)
+        with open(os.path.join(leftover, "_METADATA"), "w") as f:
+            f.write("{half a")
+        mnist_sigmoid_test._run(model_dir, norm="batch_norm", train_steps=8)
+        self.assertEqual([e["step"] for e in _history(run_dir)["evals"]], [4, 8])
+        self.assertEqual(_checkpoints(run_dir), ["4", "8"])
 
 
 class DataParallelTest(absltest.TestCase):
@@ -128,7 +260,7 @@ def _launch_two_processes(model_dir, train_steps):
 
 @pytest.mark.slow
 class MultiProcessTest(absltest.TestCase):
-    """Process 0 alone writes; a relaunch of both processes resumes at its checkpoint."""
+    """Process 0 alone writes the events; a relaunch of both processes resumes at the checkpoint."""
 
     def test_process_0_writes_and_relaunch_resumes(self):
         if not os.path.isdir(os.path.join(mnist_sigmoid_test.SHARED_DATA, "mnist")):
@@ -139,11 +271,11 @@ class MultiProcessTest(absltest.TestCase):
             self.assertEqual(code, 0, output[-3000:])
             self.assertIn("Global batch 32 = 8 replicas", output)
         self.assertLen(_event_files(run_dir), 1)
-        self.assertEqual(os.listdir(os.path.join(run_dir, "checkpoints")), ["ckpt-2.npz"])
+        self.assertEqual(_checkpoints(run_dir), ["2"])  # One orbax step, written once.
 
         for code, output in _launch_two_processes(model_dir, train_steps=4):
             self.assertEqual(code, 0, output[-3000:])
-            self.assertIn("at step 2", output)  # Both processes resumed from process 0's file.
+            self.assertIn("at step 2", output)  # Both processes resumed from the checkpoint.
         self.assertEqual([e["step"] for e in _history(run_dir)["evals"]], [2, 4])
         # One event file per launch, process 0's: every evaluation logged once.
         self.assertLen(_event_files(run_dir), 2)

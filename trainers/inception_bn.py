@@ -254,6 +254,8 @@ class Config(strategy_lib.DistributionConfig):
     jit_compile: bool
     target_accuracy: float
     bn_momentum_warmup: bool
+    allow_config_change: bool
+    deterministic: bool
 
     def loop(self):
         """The `skeleton.LoopConfig` of the run."""
@@ -267,6 +269,8 @@ class Config(strategy_lib.DistributionConfig):
             steps_per_execution=self.steps_per_execution,
             max_to_keep=3,
             sync_group_size=self.sync_group_size,
+            allow_config_change=self.allow_config_change,
+            deterministic=self.deterministic,
         )
 
     def create_runner(self):
@@ -294,6 +298,8 @@ def config_from_flags():
         JIT_COMPILE,
         EVAL_STEPS,
         TARGET_ACCURACY,
+        run_flags.ALLOW_CONFIG_CHANGE,
+        run_flags.DETERMINISTIC,
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
@@ -332,7 +338,7 @@ class InceptionRun(skeleton.Task):
     def __init__(self, config, spec=image_data.IMAGENET_SPEC):
         self.config, self.recipe, self.spec = config, config.recipe, spec
 
-    def _dataset(self, split, seed):
+    def _dataset(self, split, seed, start_step=0):
         config = self.config
         return image_data.make_dataset(
             spec=self.spec,
@@ -344,6 +350,7 @@ class InceptionRun(skeleton.Task):
             distortion=self.recipe.distortion,
             thorough_shuffle=self.recipe.thorough_shuffle,
             use_fake_data=config.use_fake_data,
+            start_step=start_step,
         )
 
     def build(self):
@@ -376,10 +383,26 @@ class InceptionRun(skeleton.Task):
     def config_values(self):
         return config_values(self.config)
 
+    def identity(self):
+        values = config_values(self.config)
+        keys = (
+            "variant",
+            "seed",
+            "batch_size",
+            "dataset",
+            "image_size",
+            "use_fake_data",
+            "mixed_precision",
+            "bn_momentum_warmup",
+            "sync_batch_norm",
+            "sync_group_size",
+        )
+        return {k: v for k, v in values.items() if k in keys or k.startswith("recipe.")}
+
     def train_dataset(self, start_step):
-        # A resumed run reseeds its shuffle with the step, so it does not replay
-        # the examples the interrupted run already saw in the same order.
-        return self._dataset("train", self.config.seed + start_step)
+        # The batches (order and distortions) are a function of (seed, step),
+        # so a resumed run trains on those an uninterrupted run would.
+        return self._dataset("train", self.config.seed, start_step)
 
     def evaluate(self, step, interval):
         hits = self.runner.sum_over_batches(
@@ -431,20 +454,28 @@ def main(argv):
         config = config_from_flags()
         preflight.check_model_dir(config.model_dir, TRAINER)
         spec = image_data.dataset_spec(config.dataset, config.data_dir)
-        if not config.use_fake_data:
-            image_data.check_prepared(spec, config.data_dir)
-        # The strategy comes first: datasets and variables are created under it.
+        # The strategy comes first: datasets and variables are created under it,
+        # and a multi-worker strategy must start before TensorFlow's runtime,
+        # which the data checks (reading the shards) start.
         runner = config.create_runner()
+        if not config.use_fake_data:
+            image_data.check_prepared(spec, config.data_dir, config.batch_size)
+            preflight.reads_data_files(image_data.shard_paths(spec, config.data_dir))
         skeleton.check_replicas(config.loop(), runner.num_replicas)
         if runner.is_chief:
             preflight.claim_model_dir(config.model_dir, TRAINER)
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     train = lambda one: train_variant(one, spec, runner)
-    if config.variant == "all":
-        inception_table2.run(config, train, config_values, writes=runner.is_chief)
-    else:
-        train(config)
+    # A lost worker, too, ends the run in one line.
+    with (
+        preflight.one_line_errors("inception_bn"),
+        config.reporting_lost_workers(config.model_dir),
+    ):
+        if config.variant == "all":
+            inception_table2.run(config, train, config_values, writes=runner.is_chief)
+        else:
+            train(config)
 
 
 def train_variant(config, spec, runner):

@@ -141,7 +141,7 @@ def run(config, train_variant, config_values, writes=True):
         The Table 2 dict of all variants.
     """
     tf.io.gfile.makedirs(config.model_dir)
-    writer = tf.summary.create_file_writer(config.model_dir) if writes else None
+    writer = summaries.root_writer(config.model_dir) if writes else None
     if writes:
         tb_report.write_custom_scalars(writer, "Table 2", CHARTS)
     names = variants(config.with_inception_x5)

@@ -10,15 +10,32 @@ HOW_TO_GET = (
     "To get MNIST, omit --data_dir and TFDS downloads it into its default directory (needs "
     "network), or pass --data_dir=DIR of a prepared TFDS copy (DIR/mnist/3.0.1/)."
 )
+SPLITS = ("train", "test")
+TRAIN_EXAMPLES = 60_000  # MNIST's train split, before TFDS has a copy to count.
 
 
-def check_prepared(data_dir):
-    """Checks, without TensorFlow work, that both MNIST splits are prepared under `data_dir`.
+def check_prepared(data_dir, batch_size, train_subset=None):
+    """Checks, before the run claims --model_dir, that MNIST can serve it.
+
+    With `data_dir`, both splits must be prepared there; without, TFDS's
+    default directory is checked if it holds a copy (else TFDS downloads one).
+    The shards of a copy must be intact (read whole, in a fraction of a
+    second: `preflight.check_tfds_data`), and one batch of `batch_size` no
+    larger than the training examples (the first `train_subset` of them).
 
     Raises:
-        preflight.MissingDataError: naming where it looked and how to get MNIST.
+        preflight.InputError: a `MissingDataError` naming where it looked and
+            how to get MNIST, a `CorruptDataError` naming the shard, or a
+            batch larger than the training examples.
     """
-    preflight.check_tfds_data(data_dir, "mnist", ("train", "test"), HOW_TO_GET)
+    if data_dir is not None or preflight.prepared_version_dir(None, "mnist"):
+        preflight.check_tfds_data(data_dir, "mnist", SPLITS, HOW_TO_GET)
+    examples = preflight.split_sizes(data_dir, "mnist").get("train", TRAIN_EXAMPLES)
+    if train_subset and train_subset < examples:
+        examples, whose = train_subset, f"--train_subset={train_subset}"
+    else:
+        whose = "MNIST's train split"
+    preflight.check_batch_size(batch_size, examples, whose)
 
 
 def load_mnist(data_dir, split):
@@ -32,6 +49,8 @@ def load_mnist(data_dir, split):
         preflight.MissingDataError (a FileNotFoundError): when the prepared
             data set is not under `data_dir` (the message names the
             --data_dir flag and how to get MNIST).
+        preflight.CorruptDataError: when TensorFlow reads a bad record
+            (naming the shard).
     """
     try:
         dataset = tfds.load("mnist", split=split, data_dir=data_dir, download=data_dir is None)
@@ -41,9 +60,13 @@ def load_mnist(data_dir, split):
             f"--data_dir={data_dir!r} (None means TFDS's default). {HOW_TO_GET} "
             f"TFDS said: {error}"
         ) from error
-    # Batches of 10k rather than batch_size=-1, which aborts the process
-    # (std::length_error) under tfds.testing.mock_data.
-    batches = list(tfds.as_numpy(dataset.batch(10_000)))
+    try:
+        # Batches of 10k rather than batch_size=-1, which aborts the process
+        # (std::length_error) under tfds.testing.mock_data.
+        batches = list(tfds.as_numpy(dataset.batch(10_000)))
+    except tf.errors.DataLossError as error:  # In a copy not checked before (just downloaded).
+        paths = tfds.builder("mnist", data_dir=data_dir).info.splits[split].filepaths
+        raise preflight.corrupt_data_error(error, [str(p) for p in paths]) from None
     images = np.concatenate([b["image"] for b in batches])
     labels = np.concatenate([b["label"] for b in batches])
     return images.reshape(len(images), -1).astype(np.float32) / 255.0, labels.astype(np.int32)
@@ -58,7 +81,7 @@ def example_order(num_examples, batch_size, seed, num_steps):
     run sees exactly the batches a run without interruption would.
     """
     steps_per_epoch = num_examples // batch_size
-    if steps_per_epoch == 0:
+    if steps_per_epoch == 0:  # `check_prepared` refuses it up front for the known splits.
         raise ValueError(
             f"The batch size exceeds the {num_examples} training examples. "
             f"Received: batch_size={batch_size}"

@@ -116,6 +116,8 @@ class Config(strategy_lib.DistributionConfig):
     num_seeds: int
     train_subset: int | None
     bn_momentum_warmup: bool
+    allow_config_change: bool
+    deterministic: bool
 
     @property
     def networks(self):
@@ -143,6 +145,8 @@ class Config(strategy_lib.DistributionConfig):
             steps_per_execution=None,
             max_to_keep=2,
             sync_group_size=self.sync_group_size,
+            allow_config_change=self.allow_config_change,
+            deterministic=self.deterministic,
         )
 
 
@@ -161,6 +165,8 @@ def config_from_flags():
         PROBE_SIZE,
         NUM_SEEDS,
         TRAIN_SUBSET,
+        run_flags.ALLOW_CONFIG_CHANGE,
+        run_flags.DETERMINISTIC,
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
@@ -208,6 +214,20 @@ class MnistRun(skeleton.Task):
         """The invocation's config with this run's network and seed."""
         run_config = dataclasses.replace(self.config, norm=self.norm, seed=self.seed)
         return {**dataclasses.asdict(run_config), "network": self.network}
+
+    def identity(self):
+        config = self.config
+        return {
+            "network": self.network,
+            "seed": self.seed,
+            "batch_size": config.batch_size,
+            "learning_rate": config.learning_rate,
+            "init_std": config.init_std,
+            "train_subset": config.train_subset,
+            "bn_momentum_warmup": config.bn_momentum_warmup,
+            "sync_batch_norm": config.sync_batch_norm,
+            "sync_group_size": config.sync_group_size,
+        }
 
     def write_start(self, writer):
         trial = os.path.relpath(self.config.run_dir(self.norm, self.seed), self.config.model_dir)
@@ -289,26 +309,32 @@ def main(argv):
             raise preflight.InputError(f"Unexpected arguments: {argv[1:]}")
         config = config_from_flags()
         preflight.check_model_dir(config.model_dir, TRAINER)
-        if config.data_dir is not None:
-            mnist_data.check_prepared(config.data_dir)
-        # The runner comes first: datasets and variables are created under it.
+        # The runner comes first: datasets and variables are created under it,
+        # and a multi-worker strategy must start before TensorFlow's runtime,
+        # which the data checks (reading the shards) start.
         runner = config.create_runner()
+        mnist_data.check_prepared(config.data_dir, config.batch_size, config.train_subset)
         skeleton.check_replicas(config.loop(config.networks[0], config.seed), runner.num_replicas)
         if runner.is_chief:
             preflight.claim_model_dir(config.model_dir, TRAINER)
         train, test = load_data(config)
-    root = None
-    if runner.is_chief:
-        root = tf.summary.create_file_writer(config.model_dir)
-        mnist_report.write_dashboards(root, [RUN_NAMES[n] for n in config.networks])
-    runs = {RUN_NAMES[norm]: [] for norm in config.networks}
-    for seed in config.seeds:  # Both networks of a seed, then the next seed.
-        for norm in config.networks:
-            task = MnistRun(config, norm, seed, train, test)
-            history = skeleton.train_and_evaluate(task, config.loop(norm, seed), runner)
-            runs[RUN_NAMES[norm]].append(history)
-    if runner.is_chief:  # Only the chief writes the run's results.
-        write_results(config, runs, root)
+    # A lost worker, too, ends the run in one line.
+    with (
+        preflight.one_line_errors("mnist_sigmoid"),
+        config.reporting_lost_workers(config.model_dir),
+    ):
+        root = None
+        if runner.is_chief:
+            root = summaries.root_writer(config.model_dir)
+            mnist_report.write_dashboards(root, [RUN_NAMES[n] for n in config.networks])
+        runs = {RUN_NAMES[norm]: [] for norm in config.networks}
+        for seed in config.seeds:  # Both networks of a seed, then the next seed.
+            for norm in config.networks:
+                task = MnistRun(config, norm, seed, train, test)
+                history = skeleton.train_and_evaluate(task, config.loop(norm, seed), runner)
+                runs[RUN_NAMES[norm]].append(history)
+        if runner.is_chief:  # Only the chief writes the run's results.
+            write_results(config, runs, root)
 
 
 if __name__ == "__main__":

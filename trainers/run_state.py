@@ -1,55 +1,166 @@
-"""A run's resumable state: its checkpoint, history file and TensorBoard writer."""
+"""A run's resumable state: checkpoint, history file and TensorBoard events, committed in one order.
 
+The invariant. The latest readable checkpoint is the run's commit point.
+Every evaluation at step S is recorded in this order:
+
+1. the evaluation record joins `history.json` (written atomically);
+2. its summaries are logged and flushed to the run's event files;
+3. the checkpoint of step S is saved: S is committed.
+
+So when a run is killed at any instant and relaunched, its checkpoint of
+step C has a history holding every evaluation up to C and event files
+holding every summary up to C. The relaunch keeps exactly those: it drops
+history records and events of steps after C (`event_files.keep_through`),
+which the resumed run computes and logs again. A run's end (its HParams
+metrics, then `history["finished"]`) is committed after its last checkpoint,
+in a file of its own, and logged again by a relaunch that finds it missing.
+With deterministic training (see docs/reproduction.md) a relaunch after any
+kill therefore ends with the uninterrupted run's history, summaries and
+points, each point once.
+
+A run's identity (the settings that shape its trajectory: seed, batch,
+learning rate, network) is recorded in the history; a relaunch with other
+values is refused unless it allows the change, which is then recorded.
+"""
+
+import json
 import os
 
+from absl import logging
 import tensorflow as tf
 
+from trainers import event_files
+from trainers import preflight
 from trainers import summaries
 
 
 class RunState:
-    """A run's checkpoint, history file and TensorBoard writer, resumable.
+    """A run's checkpoint, history file and TensorBoard writers, resumable.
 
-    On creation it restores the latest checkpoint under `run_dir` (if any)
-    and the history logged up to it, dropping evaluation records after the
-    checkpoint's step (they are redone after resuming), and logs the run's
-    configuration (a dict) for a fresh run. `save` checkpoints and rewrites
-    the history together, so the two always agree. Only the chief writes
-    events and the history; the checkpointer decides where each worker's
-    checkpoints go (see `trainers.tf_runner.Checkpointer`).
+    On creation it restores the latest readable checkpoint under `run_dir`
+    (the checkpointer falls back to older ones) and cuts the history and
+    event files back to its step (see the module docstring); a fresh run
+    logs its configuration. Only the chief writes events and the history;
+    the checkpointer decides where each worker's checkpoints go.
+
+    Args:
+        run_dir: the run's directory.
+        checkpointer: the engine's checkpointer (`restore() -> step`,
+            `save(step)`, `close()`).
+        config_values: the run's whole configuration (a flat dict), logged
+            as text for a fresh run.
+        identity: the settings a resumed run must share (a flat dict of JSON
+            values).
+        train_steps: the step the run trains to.
+        is_chief: whether this process writes.
+        allow_config_change: resume even if `identity` differs from the
+            recorded one, recording the change.
 
     Attributes:
-        history: dict with "evals" (one record per evaluation), "steps" and
-            "wall_time_s".
+        history: dict with "evals" (one record per evaluation), "steps",
+            "wall_time_s", "identity", and "finished" once the end is logged.
         start: the step the run continues from (0 for a fresh run).
         writer: the run's `tf.summary` writer (a no-op writer off the chief).
         is_chief: whether this process writes.
+
+    Raises:
+        preflight.InputError: if the identity differs from the committed
+            run's and `allow_config_change` is false, or no checkpoint is
+            readable.
     """
 
-    def __init__(self, run_dir, checkpointer, config_values, is_chief=True):
+    def __init__(
+        self,
+        run_dir,
+        checkpointer,
+        config_values,
+        identity,
+        train_steps,
+        is_chief=True,
+        allow_config_change=False,
+    ):
         tf.io.gfile.makedirs(run_dir)
         self.is_chief = is_chief
+        self._run_dir = run_dir
         self._checkpointer = checkpointer
         self._history_path = os.path.join(run_dir, "history.json")
-        self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0}
+        identity = json.loads(json.dumps(identity))  # As the history file holds it.
         self.start = checkpointer.restore()
+        self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0, "identity": identity}
         if self.start:
-            self.history = summaries.read_json(self._history_path, self.history)
-            evals = self.history["evals"]
-            self.history["evals"] = [e for e in evals if e["step"] <= self.start]
-            self.history["steps"] = self.start
-        if is_chief:
-            self.writer = tf.summary.create_file_writer(run_dir)
-            if self.start == 0:
-                summaries.write_config(self.writer, config_values)
-        else:
+            self.history = self._committed_history(identity, allow_config_change)
+        self.finished = bool(self.history.get("finished")) and self.start == train_steps
+        self.history["finished"] = self.finished
+        if not is_chief:
             self.writer = tf.summary.create_noop_writer()
+            return
+        if not self.finished:
+            event_files.remove_end(run_dir)
+        event_files.keep_through(run_dir, self.start)
+        self.writer = tf.summary.create_file_writer(run_dir)
+        if self.start == 0:
+            summaries.write_config(self.writer, config_values)
 
-    def save(self, step, wall_time_s):
-        """Checkpoints at `step` (every worker) and writes the history (chief)."""
+    def _committed_history(self, identity, allow_config_change):
+        """The history up to the restored step, its identity checked against `identity`."""
+        history = summaries.read_json(self._history_path, None)
+        if history is None:
+            raise preflight.InputError(
+                f"{self._history_path} is missing, though a checkpoint of step {self.start} "
+                "exists: the run's evaluations are lost. Pass another --model_dir to start over."
+            )
+        history["evals"] = [e for e in history["evals"] if e["step"] <= self.start]
+        history["steps"] = self.start
+        recorded = history.get("identity", identity)
+        changed = sorted(
+            k for k in set(recorded) | set(identity) if recorded.get(k) != identity.get(k)
+        )
+        if changed:
+            differences = ", ".join(
+                f"{k}={recorded.get(k)!r} → {identity.get(k)!r}" for k in changed
+            )
+            if not allow_config_change:
+                raise preflight.InputError(
+                    f"{self._run_dir} holds a run at step {self.start} with other settings "
+                    f"({differences}): relaunch with the run's settings, pass another "
+                    "--model_dir, or pass --allow_config_change to continue it with these "
+                    "(recorded in history.json)."
+                )
+            logging.warning("Continuing %s with changed settings: %s", self._run_dir, differences)
+            history.setdefault("config_changes", []).append(
+                {
+                    "step": self.start,
+                    "changed": {k: [recorded.get(k), identity.get(k)] for k in changed},
+                }
+            )
+        history["identity"] = identity
+        return history
+
+    def record(self, record, step, wall_time_s):
+        """Adds an evaluation `record` at `step` to the history and writes it (chief).
+
+        Step 1 of the commit order: call it before logging the record's
+        summaries and before `save`.
+        """
+        self.history["evals"].append(record)
         self.history["steps"] = step
         self.history["wall_time_s"] = wall_time_s
+        if self.is_chief:
+            summaries.write_json(self._history_path, self.history)
+
+    def save(self, step):
+        """Checkpoints at `step` (every worker): step 3 of the commit order, after the flush."""
         self._checkpointer.save(step)
+
+    def end_writer(self):
+        """A writer of the run's end-of-run summaries, in a file of their own (chief)."""
+        if not self.is_chief:
+            return tf.summary.create_noop_writer()
+        return tf.summary.create_file_writer(self._run_dir, filename_suffix=event_files.END_SUFFIX)
+
+    def finish(self):
+        """Commits the run's end, once its end-of-run summaries are flushed."""
+        self.finished = self.history["finished"] = True
         if self.is_chief:
             summaries.write_json(self._history_path, self.history)
 

@@ -36,6 +36,11 @@ class LoopConfig:
             evaluation interval per call.
         max_to_keep: checkpoints kept.
         sync_group_size: replicas per synchronised-BN group, or None.
+        allow_config_change: resume a run whose recorded identity
+            (`Task.identity`) differs, recording the change.
+        deterministic: make the engine's ops deterministic
+            (`runner.make_deterministic`), so a run and its resumption after
+            any kill give bit-identical histories.
     """
 
     name: str
@@ -47,15 +52,18 @@ class LoopConfig:
     steps_per_execution: int | None
     max_to_keep: int
     sync_group_size: int | None = None
+    allow_config_change: bool = False
+    deterministic: bool = True
 
 
 class Task:
     """What a trainer supplies to the skeleton; override the methods it calls.
 
     The skeleton calls, in order: `build` (under the engine's scope),
-    `prepare_evaluation`, `config_values`, `write_start` (fresh runs only),
-    `train_dataset`, then per evaluation `evaluate` and `write_summaries`,
-    and `write_end` (runs that trained).
+    `prepare_evaluation`, `config_values` and `identity`, `write_start`
+    (fresh runs only), `train_dataset`, then per evaluation `evaluate` and
+    `write_summaries`, and `write_end` (once per run, also when a relaunch
+    finds the end of a finished run not yet logged).
     """
 
     def build(self):
@@ -67,6 +75,14 @@ class Task:
 
     def config_values(self):
         """The run's configuration as a flat dict, logged for a fresh run."""
+        raise NotImplementedError
+
+    def identity(self):
+        """The settings a resumed run must share with its checkpoint, as a flat dict.
+
+        Those that shape the trajectory (seed, batch, learning rate, network),
+        not those a relaunch may change (steps, evaluation cadence, paths).
+        """
         raise NotImplementedError
 
     def write_start(self, writer):
@@ -89,7 +105,7 @@ class Task:
         raise NotImplementedError
 
     def write_end(self, writer, history):
-        """Logs what a run records when it has trained (in `writer`)."""
+        """Logs what a run records when it has trained (in `writer`, its own file)."""
 
 
 def check_replicas(loop, num_replicas):
@@ -130,11 +146,19 @@ def train_and_evaluate(task, loop, runner):
         loop.batch_size // replicas,
     )
     keras.utils.set_random_seed(loop.seed)
+    if loop.deterministic:
+        runner.make_deterministic()
     model, optimizer = runner.build(task.build)
     task.prepare_evaluation(model, runner)
     checkpointer = runner.checkpointer(loop.run_dir, loop.max_to_keep, model, optimizer)
     with run_state.RunState(
-        loop.run_dir, checkpointer, task.config_values(), runner.is_chief
+        loop.run_dir,
+        checkpointer,
+        task.config_values(),
+        task.identity(),
+        loop.train_steps,
+        is_chief=runner.is_chief,
+        allow_config_change=loop.allow_config_change,
     ) as run:
         if run.start == 0:
             task.write_start(run.writer)
@@ -144,10 +168,12 @@ def train_and_evaluate(task, loop, runner):
         run_steps = runner.train_function(
             task.train_dataset(run.start), model, optimizer, loss_fn, loop.batch_size
         )
-        trains = run.start < loop.train_steps
         history = train_and_log(run, task, loop, run_steps)
-        if trains:
-            task.write_end(run.writer, history)
+        if not run.finished:
+            end_writer = run.end_writer()
+            task.write_end(end_writer, history)
+            end_writer.flush()
+            run.finish()
         return history
 
 
@@ -157,9 +183,11 @@ def train_and_log(run, task, loop, run_steps):
     Steps run in compiled chunks of at most `loop.steps_per_execution`
     (`run_steps(n) -> mean loss`). After each interval, which ends at the
     next multiple of `eval_every` (or at `train_steps`), `task.evaluate`
-    returns the record to keep, the record joins `run.history["evals"]`,
+    returns the record to keep, and the record is committed in the order of
+    `trainers.run_state`: `run.record` writes it into the history,
     `task.write_summaries` logs it inside `run.writer` at that step (a no-op
-    writer off the chief), and `run.save` checkpoints and writes the history.
+    writer off the chief) and the writer is flushed, then `run.save`
+    checkpoints the step.
 
     Returns:
         `run.history`.
@@ -179,11 +207,11 @@ def train_and_log(run, task, loop, run_steps):
             "seconds": time.time() - tick,
         }
         record = task.evaluate(step, interval)
-        history["evals"].append(record)
+        run.record(record, step, time.time() - began)
         with run.writer.as_default(step=step):
             task.write_summaries(record, history)
         run.writer.flush()
-        run.save(step, time.time() - began)
+        run.save(step)
         metrics = ", ".join(
             f"{k} {v:.4g}" for k, v in record.items() if k != "step" and isinstance(v, float)
         )

@@ -5,6 +5,7 @@ import json
 import tensorflow as tf
 
 import keras_bn
+from trainers import event_files
 
 
 def write_config(writer, config_values):
@@ -14,6 +15,18 @@ def write_config(writer, config_values):
     with writer.as_default():
         tf.summary.text("config", "\n".join(rows), step=0)
     writer.flush()
+
+
+def root_writer(directory):
+    """A writer of a model_dir root's own summaries (layouts, figures), written anew each launch.
+
+    Each launch logs the root's summaries whole (the dashboards at its start,
+    the figures at its end), so the files of earlier launches are deleted
+    first: every root point is then in the event files once.
+    """
+    tf.io.gfile.makedirs(directory)
+    event_files.remove_all(directory)
+    return tf.summary.create_file_writer(directory)
 
 
 def write_json(path, payload):

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from keras_bn import distribution
 from trainers import loops
+from trainers import preflight
 
 
 class DistributeRunner:
@@ -40,6 +41,14 @@ class DistributeRunner:
     def is_chief(self):
         """Whether this process writes (see `keras_bn.distribution.is_chief`)."""
         return distribution.is_chief(self.strategy)
+
+    def make_deterministic(self):
+        """Makes every TensorFlow op of this process deterministic (for good: TF has no undo).
+
+        Ops without a deterministic kernel then raise instead of running;
+        `tf.data` keeps its element order.
+        """
+        tf.config.experimental.enable_op_determinism()
 
     def build(self, build_fn):
         """`build_fn() -> (model, optimizer)` under the strategy's scope, optimizer state built."""
@@ -90,6 +99,13 @@ class Checkpointer:
     deleted by `close` (TensorFlow's multi-worker recipe). Every worker
     restores from the chief's checkpoints in `run_dir`, so a relaunch of all
     workers resumes at the chief's step.
+
+    The chief's checkpoints are found by their files (`ckpt-<step>.index`),
+    not only through TensorFlow's `checkpoint` state file: a lost or garbled
+    state file is rebuilt from them, so no checkpoint is forgotten (and
+    none deleted). An unreadable checkpoint is reported in one log line and
+    the next older one restored. A killed save's `ckpt-<step>_temp`
+    directory is removed.
     """
 
     def __init__(self, run_dir, max_to_keep, is_chief, step, model, optimizer):
@@ -97,19 +113,71 @@ class Checkpointer:
         self._checkpoint = tf.train.Checkpoint(step=step, model=model, optimizer=optimizer)
         self._chief_dir = os.path.join(run_dir, "checkpoints")
         self._scratch = None if is_chief else tempfile.mkdtemp(prefix="keras_bn_worker_")
+        if is_chief:
+            self._repair_chief_dir()
         self._manager = tf.train.CheckpointManager(
             self._checkpoint, self._scratch or self._chief_dir, max_to_keep=max_to_keep
         )
 
+    def _prefixes(self):
+        """The chief's checkpoint prefixes (`.../ckpt-<step>`), newest first."""
+        indexes = tf.io.gfile.glob(os.path.join(self._chief_dir, "ckpt-*.index"))
+        prefixes = [p[: -len(".index")] for p in indexes]
+        return sorted(
+            (p for p in prefixes if p.rsplit("-", 1)[1].isdigit()),
+            key=lambda p: int(p.rsplit("-", 1)[1]),
+            reverse=True,
+        )
+
+    def _repair_chief_dir(self):
+        """Removes killed saves' temporary directories; rebuilds a lost or garbled state file."""
+        for temp in tf.io.gfile.glob(os.path.join(self._chief_dir, "ckpt-*_temp")):
+            tf.io.gfile.rmtree(temp)
+        prefixes = self._prefixes()
+        if not prefixes:
+            return
+        # None when the file is missing or garbled (TensorFlow logs the parse error).
+        state = tf.train.get_checkpoint_state(self._chief_dir)
+        listed = {os.path.basename(p) for p in state.all_model_checkpoint_paths} if state else set()
+        if not {os.path.basename(p) for p in prefixes} <= listed:
+            logging.warning(
+                "The checkpoint state file of %s is missing, garbled or incomplete: rebuilt "
+                "from the %d checkpoints there.",
+                self._chief_dir,
+                len(prefixes),
+            )
+            tf.compat.v1.train.update_checkpoint_state(
+                self._chief_dir, prefixes[0], all_model_checkpoint_paths=prefixes[::-1]
+            )
+
     def restore(self):
-        """Restores the chief's latest checkpoint, if any; returns its step (0 if none)."""
-        latest = tf.train.latest_checkpoint(self._chief_dir)
-        if not latest:
-            return 0
-        self._checkpoint.restore(latest).assert_existing_objects_matched()
-        restored = int(self._step.numpy())
-        logging.info("Resumed from %s at step %d", latest, restored)
-        return restored
+        """Restores the chief's newest readable checkpoint, if any; returns its step (0 if none).
+
+        Raises:
+            preflight.InputError: if checkpoints exist and none is readable.
+        """
+        prefixes = self._prefixes()
+        for prefix in prefixes:
+            try:
+                self._checkpoint.restore(prefix).assert_existing_objects_matched()
+            # What TensorFlow's checkpoint reader raises for truncated or garbled
+            # files (IndexError: "Read less bytes than requested"), and the
+            # match check's AssertionError for a checkpoint of another model.
+            except (tf.errors.OpError, ValueError, AssertionError, IndexError) as error:
+                reason = " ".join(str(error).split())[:200]
+                logging.warning(
+                    "Checkpoint %s is unreadable, trying an older one: %s", prefix, reason
+                )
+                continue
+            restored = int(self._step.numpy())
+            logging.info("Resumed from %s at step %d", prefix, restored)
+            return restored
+        if prefixes:
+            raise preflight.InputError(
+                f"No checkpoint in {self._chief_dir} is readable ({', '.join(prefixes)}); "
+                "move them away to start the run over."
+            )
+        return 0
 
     def save(self, step):
         """Checkpoints at `step` (every worker, each into its own directory)."""

@@ -1,0 +1,193 @@
+"""The trainers' run state: commit order, checkpoint fallback, config changes, event files.
+
+The MNIST trainer runs in this process on mock data (tests/mnist_sigmoid_test.py's
+`_run`), under the suite's Keras backend; what only TensorFlow's checkpoints have
+(the state file, `_temp` directories) is skipped on JAX. The kill tests are in
+tests/kill_resume_test.py.
+"""
+
+import glob
+import json
+import os
+import tempfile
+
+from absl.testing import absltest
+import keras
+import tensorflow as tf
+
+from tests import flag_state
+from tests import mnist_sigmoid_test
+from tests import tensorboard_events
+from trainers import event_files
+from trainers import preflight
+
+_run = mnist_sigmoid_test._run
+
+
+def setUpModule():
+    flag_state.ensure_parsed()
+
+
+def _history(run_dir):
+    with open(os.path.join(run_dir, "history.json")) as f:
+        return json.load(f)
+
+
+def _steps(run_dir):
+    return [e["step"] for e in _history(run_dir)["evals"]]
+
+
+def _garble(path):
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        f.write(b"\xff" * max(size, 16))
+
+
+def _tf_checkpoint_files(run_dir, step):
+    return glob.glob(os.path.join(run_dir, "checkpoints", f"ckpt-{step}.*"))
+
+
+class _Trainer(absltest.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.model_dir = tempfile.mkdtemp()
+        self.run_dir = os.path.join(self.model_dir, "batch_norm")
+
+    def run_trainer(self, **overrides):
+        return _run(self.model_dir, norm="batch_norm", **overrides)
+
+
+class ConfigChangeTest(_Trainer):
+    def test_relaunch_with_other_seed_and_batch_is_refused_in_one_line(self):
+        self.run_trainer(train_steps=4)
+        with self.assertRaisesRegex(
+            (preflight.InputError, SystemExit),
+            r"holds a run at step 4 with other settings \(batch_size=20 → 10, seed=1 → 2\).*"
+            r"--allow_config_change",
+        ):
+            self.run_trainer(seed=2, batch_size=10)
+        self.assertEqual(_steps(self.run_dir), [4])
+
+    def test_allowed_change_resumes_and_is_recorded(self):
+        self.run_trainer(train_steps=4)
+        self.run_trainer(learning_rate=0.1, allow_config_change=True)
+        history = _history(self.run_dir)
+        self.assertEqual(_steps(self.run_dir), [4, 8])
+        self.assertEqual(
+            history["config_changes"], [{"step": 4, "changed": {"learning_rate": [0.5, 0.1]}}]
+        )
+        self.assertEqual(history["identity"]["learning_rate"], 0.1)
+
+    def test_more_steps_are_no_change(self):
+        self.run_trainer(train_steps=4)
+        self.run_trainer(train_steps=8, eval_every=2)
+        self.assertEqual(_steps(self.run_dir), [4, 6, 8])
+        self.assertNotIn("config_changes", _history(self.run_dir))
+
+
+class EndOfRunTest(_Trainer):
+    def test_end_lost_after_the_last_checkpoint_is_logged_once_by_the_relaunch(self):
+        self.run_trainer()
+        # What a kill between the last checkpoint and the end's commit leaves.
+        history = _history(self.run_dir)
+        history["finished"] = False
+        with open(os.path.join(self.run_dir, "history.json"), "w") as f:
+            json.dump(history, f)
+        for path in event_files.paths(self.run_dir):
+            if path.endswith(event_files.END_SUFFIX):
+                os.remove(path)
+        tags = tensorboard_events.read_events(self.run_dir)
+        self.assertNotIn("hparams/final_test_accuracy", tags)
+
+        self.run_trainer()
+        tags = tensorboard_events.read_events(self.run_dir)
+        self.assertEqual([s for s, _ in tags["hparams/final_test_accuracy"]], [8])
+        self.assertEqual([s for s, _ in tags["eval/test_accuracy"]], [4, 8])
+        self.assertTrue(_history(self.run_dir)["finished"])
+
+    def test_extended_run_logs_its_end_at_the_new_last_step_only(self):
+        self.run_trainer(train_steps=4)
+        self.run_trainer(train_steps=8)
+        tags = tensorboard_events.read_events(self.run_dir)
+        self.assertEqual([s for s, _ in tags["hparams/final_test_accuracy"]], [8])
+        root = tensorboard_events.read_events(self.model_dir)
+        self.assertEqual([s for s, _ in root["figure1"]], [8])  # The root's launches: one figure.
+
+
+class CheckpointFallbackTest(_Trainer):
+    def setUp(self):
+        super().setUp()
+        if keras.backend.backend() != "tensorflow":
+            self.skipTest("TensorFlow's checkpoint files; trainer_jax_test.py tests JAX's")
+
+    def test_unreadable_latest_checkpoint_falls_back_to_the_older_one(self):
+        self.run_trainer()
+        for path in _tf_checkpoint_files(self.run_dir, 8):
+            if ".data-" in path:
+                _garble(path)
+        with self.assertLogs(level="WARNING") as logs:
+            self.run_trainer(train_steps=12)
+        self.assertTrue(any("ckpt-8 is unreadable" in line for line in logs.output), logs.output)
+        self.assertEqual(_steps(self.run_dir), [4, 8, 12])
+        tags = tensorboard_events.read_events(self.run_dir)
+        self.assertEqual([s for s, _ in tags["eval/test_accuracy"]], [4, 8, 12])
+
+    def test_no_readable_checkpoint_names_the_files(self):
+        self.run_trainer()
+        for step in (4, 8):
+            for path in _tf_checkpoint_files(self.run_dir, step):
+                _garble(path)
+        with self.assertRaisesRegex(
+            (preflight.InputError, SystemExit),
+            r"No checkpoint in .* is readable \(.*ckpt-8, .*ckpt-4\)",
+        ):
+            self.run_trainer(train_steps=12)
+
+    def test_garbled_state_file_is_rebuilt_not_restarted(self):
+        self.run_trainer()
+        state = os.path.join(self.run_dir, "checkpoints", "checkpoint")
+        with open(state, "w") as f:
+            f.write("garbage {{")
+        os.makedirs(os.path.join(self.run_dir, "checkpoints", "ckpt-12_temp"))
+        self.run_trainer(train_steps=12)
+        self.assertEqual(_steps(self.run_dir), [4, 8, 12])
+        self.assertEqual(
+            os.path.basename(tf.train.latest_checkpoint(os.path.dirname(state))), "ckpt-12"
+        )
+        self.assertFalse(glob.glob(os.path.join(self.run_dir, "checkpoints", "*_temp")))
+
+    def test_lost_state_file_is_rebuilt(self):
+        self.run_trainer()
+        os.remove(os.path.join(self.run_dir, "checkpoints", "checkpoint"))
+        self.run_trainer(train_steps=12)
+        self.assertEqual(_steps(self.run_dir), [4, 8, 12])
+
+
+class EventFilesTest(absltest.TestCase):
+    def _write(self, run_dir, steps):
+        writer = tf.summary.create_file_writer(run_dir)
+        with writer.as_default():
+            for step in steps:
+                tf.summary.scalar("loss", float(step), step=step)
+        writer.close()
+
+    def test_keep_through_drops_later_steps_and_a_torn_record(self):
+        run_dir = tempfile.mkdtemp()
+        self._write(run_dir, [1, 2, 3, 4])
+        (path,) = event_files.paths(run_dir)
+        with open(path, "ab") as f:
+            f.write(b"\x20\x00\x00\x00")  # A record cut off inside its length field.
+        self.assertEqual(event_files.keep_through(run_dir, 2), 2)
+        self.assertEqual(tensorboard_events.read_events(run_dir)["loss"], [(1, 1.0), (2, 2.0)])
+        self.assertEqual(event_files.keep_through(run_dir, 2), 0)  # Nothing left to drop.
+
+    def test_keep_through_step_0_deletes_every_file(self):
+        run_dir = tempfile.mkdtemp()
+        self._write(run_dir, [0, 1])
+        event_files.keep_through(run_dir, 0)
+        self.assertEqual(event_files.paths(run_dir), [])
+
+
+if __name__ == "__main__":
+    absltest.main()
