@@ -11,7 +11,6 @@ under TensorFlow, and again under `KERAS_BACKEND=jax` (`.ci/run`).
 """
 
 import collections
-import json
 import os
 import random
 import re
@@ -26,13 +25,12 @@ from absl.testing import parameterized
 import pytest
 
 from tests import data_dirs
+from tests import run_outputs
 from tests import tensorboard_events
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_TIMEOUT_S = 300
 _RELAUNCHES = 8  # Kills plus the launch that finishes; bounds a run that never ends.
-# Measured times and the run's own directory: they differ between any two runs.
-_VARYING_KEYS = {"seconds", "wall_time_s", "images_per_sec", "model_dir"}
 _TIMING_TAGS = {"train/images_per_sec"}
 _CHECKPOINT = re.compile(r"^(?:ckpt-)?(\d+)(?:\.index)?$")
 
@@ -52,7 +50,7 @@ _MNIST = (
 _INCEPTION = (
     "trainers.inception_bn",
     [
-        "--variant=bn_x5",
+        "--variant=bn_baseline",  # BN, dropout and distortions, all resumed exactly.
         "--use_fake_data",
         "--image_size=32",
         "--batch_size=4",
@@ -71,19 +69,6 @@ def _checkpoint_steps(run_dir):
     except FileNotFoundError:
         return set()
     return {int(m.group(1)) for m in map(_CHECKPOINT.match, names) if m}
-
-
-def _without_timing(value):
-    if isinstance(value, dict):
-        return {k: _without_timing(v) for k, v in value.items() if k not in _VARYING_KEYS}
-    if isinstance(value, list):
-        return [_without_timing(v) for v in value]
-    return value
-
-
-def _read_json(path):
-    with open(path) as f:
-        return _without_timing(json.load(f))
 
 
 def _points(directory):
@@ -182,14 +167,14 @@ class KillResumeTest(parameterized.TestCase):
         print(f"{module}: killed {kills}, then a launch finished")
 
         self.assertEqual(
-            _read_json(os.path.join(killed.model_dir, "summary.json")),
-            _read_json(os.path.join(reference.model_dir, "summary.json")),
+            run_outputs.read_json(os.path.join(killed.model_dir, "summary.json")),
+            run_outputs.read_json(os.path.join(reference.model_dir, "summary.json")),
         )
         for run in runs:
             got, want = (os.path.join(d.model_dir, run) for d in (killed, reference))
             self.assertEqual(
-                _read_json(os.path.join(got, "history.json")),
-                _read_json(os.path.join(want, "history.json")),
+                run_outputs.read_json(os.path.join(got, "history.json")),
+                run_outputs.read_json(os.path.join(want, "history.json")),
             )
             (got_counts, got_values), (want_counts, want_values) = _points(got), _points(want)
             self.assertEqual(got_counts, want_counts)

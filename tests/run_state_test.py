@@ -13,10 +13,14 @@ import tempfile
 
 from absl.testing import absltest
 import keras
+import pytest
 import tensorflow as tf
 
+from tests import data_dirs
 from tests import flag_state
+from tests import inception_bn_test
 from tests import mnist_sigmoid_test
+from tests import run_outputs
 from tests import tensorboard_events
 from trainers import event_files
 from trainers import preflight
@@ -162,6 +166,43 @@ class CheckpointFallbackTest(_Trainer):
         os.remove(os.path.join(self.run_dir, "checkpoints", "checkpoint"))
         self.run_trainer(train_steps=12)
         self.assertEqual(_steps(self.run_dir), [4, 8, 12])
+
+
+class DeterminismTest(absltest.TestCase):
+    """The same command and seed twice: bit-identical histories (measured times aside)."""
+
+    def _twice(self, train):
+        histories = []
+        for _ in range(2):
+            run_dir = train(tempfile.mkdtemp())
+            histories.append(run_outputs.read_json(os.path.join(run_dir, "history.json")))
+        self.assertEqual(histories[0], histories[1])
+        return histories[0]
+
+    def test_mnist(self):
+        def train(model_dir):
+            _run(model_dir, norm="batch_norm")
+            return os.path.join(model_dir, "batch_norm")
+
+        self.assertLen(self._twice(train)["evals"], 2)
+
+    @pytest.mark.slow
+    def test_inception_on_real_fashion_mnist_with_distortions_and_shuffling(self):
+        if not os.path.isdir(data_dirs.SHARED_DATA):
+            self.skipTest(f"real Fashion-MNIST not at {data_dirs.SHARED_DATA}")
+
+        def train(model_dir):
+            inception_bn_test._smoke(
+                model_dir,
+                use_fake_data=False,
+                dataset="fashion_mnist",
+                data_dir=data_dirs.SHARED_DATA,
+                train_steps=6,
+                eval_steps=2,
+            )
+            return model_dir
+
+        self.assertLen(self._twice(train)["evals"], 3)
 
 
 class EventFilesTest(absltest.TestCase):

@@ -44,13 +44,13 @@ def keep_through(run_dir, step):
 
     With `step == 0` (nothing committed) every event file is deleted: the
     run starts again and logs its step-0 events anew. Returns the number of
-    events dropped.
+    events dropped from the files kept.
     """
+    if step == 0:
+        remove_all(run_dir)
+        return 0
     dropped = 0
     for path in paths(run_dir):
-        if step == 0:
-            tf.io.gfile.remove(path)
-            continue
         records = read_records(path)
         kept = [r for r in records if event_pb2.Event.FromString(r).step <= step]
         if len(kept) == len(records) and _ends_cleanly(path, records):

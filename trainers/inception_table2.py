@@ -123,8 +123,7 @@ def write_results(model_dir, evals_by_variant, extra):
     """Rewrites summary.json and table2.md at `model_dir` from the runs so far."""
     table = table2(evals_by_variant)
     summaries.write_json(os.path.join(model_dir, "summary.json"), {**table, **extra})
-    with tf.io.gfile.GFile(os.path.join(model_dir, "table2.md"), "w") as f:
-        f.write(markdown(table))
+    summaries.write_text(os.path.join(model_dir, "table2.md"), markdown(table))
     return table
 
 

@@ -30,6 +30,7 @@ from trainers import preflight
 
 _HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+_GPU_DETERMINISM = "--xla_gpu_deterministic_ops=true"
 
 
 def set_host_device_count(num_devices):
@@ -125,11 +126,21 @@ class JaxRunner:
         return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec(*spec))
 
     def make_deterministic(self):
-        """Nothing to turn on: XLA's CPU programs are deterministic as compiled.
+        """Checks that the run's XLA programs are deterministic.
 
-        On GPUs XLA needs `XLA_FLAGS=--xla_gpu_deterministic_ops=true` set
-        before JAX starts, which a running process cannot change.
+        XLA's CPU programs are deterministic as compiled; on GPUs XLA needs
+        `XLA_FLAGS=--xla_gpu_deterministic_ops=true` set before JAX starts,
+        which a running process cannot change, so a run without it is refused.
+
+        Raises:
+            preflight.InputError: on a GPU without that flag.
         """
+        gpu = any(d.platform == "gpu" for d in self.devices)
+        if gpu and _GPU_DETERMINISM not in os.environ.get("XLA_FLAGS", ""):
+            raise preflight.InputError(
+                f"--deterministic on JAX GPUs needs XLA_FLAGS={_GPU_DETERMINISM} set before the "
+                "trainer starts: set it, or pass --nodeterministic."
+            )
 
     def build(self, build_fn):
         """`build_fn() -> (model, optimizer)` under the distribution, optimizer state built.
@@ -328,9 +339,9 @@ class OrbaxCheckpointer:
         """Restores the newest readable checkpoint, if any; returns its step (0 if none).
 
         An unreadable checkpoint (damaged or missing files) is logged in one
-        line and passed over for the one before it; once one is restored,
-        the unreadable newer ones are deleted, since the run writes those
-        steps again.
+        line and passed over for the one before it. Nothing is deleted here
+        (a passing read error must not cost a good checkpoint): `save`
+        replaces a step that exists when the run reaches it again.
 
         Raises:
             preflight.InputError: if checkpoints exist but none is readable,
@@ -356,8 +367,6 @@ class OrbaxCheckpointer:
             for owner, variables in self._variables.items():
                 for variable, value in zip(variables, values[owner]):
                     variable.assign(value)
-            for bad, _ in unreadable:
-                self._manager.delete(bad)
             logging.info("Resumed from %s at step %d", self._path(step), step)
             return step
         if unreadable:
@@ -419,6 +428,8 @@ class OrbaxCheckpointer:
         values = {
             owner: [v.value for v in variables] for owner, variables in self._variables.items()
         }
+        if step in self._manager.all_steps():  # An unreadable one passed over by `restore`.
+            self._manager.delete(step)
         # force: orbax's own save policy would skip a step silently.
         self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
         self._manager.wait_until_finished()

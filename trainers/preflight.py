@@ -45,7 +45,10 @@ def one_line_errors(program):
     except InputError as error:
         sys.exit(f"{program}: error: {_one_line(error)}")
     except _data_loss_errors() as error:
-        sys.exit(f"{program}: error: {_one_line(corrupt_data_error(error, _DATA_FILES))}")
+        named = corrupt_data_error(error, _DATA_FILES) if _DATA_FILES else None
+        if named is None:
+            raise  # Not from the data files: a traceback says more than a guess.
+        sys.exit(f"{program}: error: {_one_line(named)}")
 
 
 def _data_loss_errors():

@@ -95,6 +95,8 @@ class RunState:
             self.writer = tf.summary.create_noop_writer()
             return
         if not self.finished:
+            if self.start:  # The file first: a kill then leaves no "finished" without its end.
+                summaries.write_json(self._history_path, self.history)
             event_files.remove_end(run_dir)
         event_files.keep_through(run_dir, self.start)
         self.writer = tf.summary.create_file_writer(run_dir)

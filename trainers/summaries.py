@@ -31,9 +31,14 @@ def root_writer(directory):
 
 def write_json(path, payload):
     """Writes JSON atomically (temp file + rename): a kill never leaves half."""
+    write_text(path, json.dumps(payload, indent=2, sort_keys=True))
+
+
+def write_text(path, text):
+    """Writes `text` atomically (temp file + rename): a kill never leaves half."""
     tmp = path + ".tmp"
     with tf.io.gfile.GFile(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
+        f.write(text)
     tf.io.gfile.rename(tmp, path, overwrite=True)
 
 

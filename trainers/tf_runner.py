@@ -110,7 +110,14 @@ class Checkpointer:
 
     def __init__(self, run_dir, max_to_keep, is_chief, step, model, optimizer):
         self._step = step
-        self._checkpoint = tf.train.Checkpoint(step=step, model=model, optimizer=optimizer)
+        # Keras' seed generators (dropout's random state) are model variables
+        # but not weights, which is all a Checkpoint of the model tracks: without
+        # them a resumed run would draw the dropout masks of the first steps again.
+        weights = {id(w) for w in model.weights}
+        seeds = [v for v in model.variables if id(v) not in weights]
+        self._checkpoint = tf.train.Checkpoint(
+            step=step, model=model, optimizer=optimizer, seeds=seeds
+        )
         self._chief_dir = os.path.join(run_dir, "checkpoints")
         self._scratch = None if is_chief else tempfile.mkdtemp(prefix="keras_bn_worker_")
         if is_chief:
