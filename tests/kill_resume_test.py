@@ -50,7 +50,8 @@ _MNIST = (
 _INCEPTION = (
     "trainers.inception_bn",
     [
-        "--variant=bn_baseline",  # BN, dropout and distortions, all resumed exactly.
+        "--variant=bn_x5",
+        "--dropout=0.4",  # BN, dropout and distortions: each resumed exactly.
         "--use_fake_data",
         "--image_size=32",
         "--batch_size=4",
