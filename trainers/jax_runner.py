@@ -445,5 +445,5 @@ def _one_line(error, limit=400):
     A tensorstore error's trailing spec (a JSON dump of the reader's
     settings) is left out: the cause comes before it.
     """
-    text = " ".join(str(error).split(" [tensorstore_spec=")[0].split())
-    return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+    text = str(error).split(" [tensorstore_spec=")[0]
+    return f"{type(error).__name__}: {preflight.one_line(text, limit)}"

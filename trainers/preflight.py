@@ -43,12 +43,12 @@ def one_line_errors(program):
     try:
         yield
     except InputError as error:
-        sys.exit(f"{program}: error: {_one_line(error)}")
+        sys.exit(f"{program}: error: {one_line(error)}")
     except _data_loss_errors() as error:
         named = corrupt_data_error(error, _DATA_FILES) if _DATA_FILES else None
         if named is None:
             raise  # Not from the data files: a traceback says more than a guess.
-        sys.exit(f"{program}: error: {_one_line(named)}")
+        sys.exit(f"{program}: error: {one_line(named)}")
 
 
 def _data_loss_errors():
@@ -57,8 +57,12 @@ def _data_loss_errors():
     return (tf.errors.DataLossError,) if tf is not None else ()
 
 
-def _one_line(error):
-    return " ".join(str(error).split())  # One line, whatever the message held.
+def one_line(message, limit=None):
+    """`message` (an error, or any text) on one line, cut to `limit` characters if given."""
+    text = " ".join(str(message).split())  # One line, whatever the message held.
+    if limit is not None and len(text) > limit:
+        return text[:limit] + "..."
+    return text
 
 
 def _is_remote(path):

@@ -144,19 +144,18 @@ def _last_checkpoint(model_dir):
     """
     import tensorflow as tf
 
-    found = []
-    for directory, _, files in tf.io.gfile.walk(model_dir):
-        if os.path.basename(directory.rstrip("/")) != "checkpoints":
-            continue
-        for file in files:
-            step = re.fullmatch(r"ckpt-(\d+)\.index", file)
-            if step:
-                path = os.path.join(directory, file)
-                found.append((tf.io.gfile.stat(path).mtime_nsec, int(step[1]), path))
+    from trainers import tf_runner
+
+    found = [
+        (tf.io.gfile.stat(prefix + ".index").mtime_nsec, step, prefix)
+        for directory, _, _ in tf.io.gfile.walk(model_dir)
+        if os.path.basename(directory.rstrip("/")) == "checkpoints"
+        for step, prefix in tf_runner.checkpoint_prefixes(directory)
+    ]
     if not found:
         return None
-    _, step, path = max(found)
-    return step, path[: -len(".index")]
+    _, step, prefix = max(found)
+    return step, prefix
 
 
 def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):

@@ -90,6 +90,21 @@ class DistributeRunner:
         return np.asarray(total)
 
 
+def checkpoint_prefixes(checkpoint_dir):
+    """`[(step, prefix)]` of the checkpoints in `checkpoint_dir` by their files, newest first.
+
+    A prefix is `.../ckpt-<step>`, found by its `.index` file: TensorFlow's
+    `checkpoint` state file may be lost or garbled.
+    """
+    found = []
+    for index in tf.io.gfile.glob(os.path.join(checkpoint_dir, "ckpt-*.index")):
+        prefix = index[: -len(".index")]
+        step = prefix.rsplit("-", 1)[1]
+        if step.isdigit():
+            found.append((int(step), prefix))
+    return sorted(found, reverse=True)
+
+
 class Checkpointer:
     """A run's `tf.train.Checkpoint` of its step, model and optimizer.
 
@@ -126,21 +141,11 @@ class Checkpointer:
             self._checkpoint, self._scratch or self._chief_dir, max_to_keep=max_to_keep
         )
 
-    def _prefixes(self):
-        """The chief's checkpoint prefixes (`.../ckpt-<step>`), newest first."""
-        indexes = tf.io.gfile.glob(os.path.join(self._chief_dir, "ckpt-*.index"))
-        prefixes = [p[: -len(".index")] for p in indexes]
-        return sorted(
-            (p for p in prefixes if p.rsplit("-", 1)[1].isdigit()),
-            key=lambda p: int(p.rsplit("-", 1)[1]),
-            reverse=True,
-        )
-
     def _repair_chief_dir(self):
         """Removes killed saves' temporary directories; rebuilds a lost or garbled state file."""
         for temp in tf.io.gfile.glob(os.path.join(self._chief_dir, "ckpt-*_temp")):
             tf.io.gfile.rmtree(temp)
-        prefixes = self._prefixes()
+        prefixes = [prefix for _, prefix in checkpoint_prefixes(self._chief_dir)]
         if not prefixes:
             return
         # None when the file is missing or garbled (TensorFlow logs the parse error).
@@ -163,7 +168,7 @@ class Checkpointer:
         Raises:
             preflight.InputError: if checkpoints exist and none is readable.
         """
-        prefixes = self._prefixes()
+        prefixes = [prefix for _, prefix in checkpoint_prefixes(self._chief_dir)]
         for prefix in prefixes:
             try:
                 self._checkpoint.restore(prefix).assert_existing_objects_matched()
@@ -171,9 +176,10 @@ class Checkpointer:
             # files (IndexError: "Read less bytes than requested"), and the
             # match check's AssertionError for a checkpoint of another model.
             except (tf.errors.OpError, ValueError, AssertionError, IndexError) as error:
-                reason = " ".join(str(error).split())[:200]
                 logging.warning(
-                    "Checkpoint %s is unreadable, trying an older one: %s", prefix, reason
+                    "Checkpoint %s is unreadable, trying an older one: %s",
+                    prefix,
+                    preflight.one_line(error, 200),
                 )
                 continue
             restored = int(self._step.numpy())
