@@ -1,9 +1,10 @@
 """SIGKILL a trainer at random moments and right after checkpoint commits; relaunch; compare.
 
 Each test trains one small run uninterrupted, then the same command into
-another --model_dir, killed with SIGKILL several times (within its first
-seconds, while it writes its first files; at a random moment; right after
-a checkpoint appears) and relaunched until a launch finishes. The killed
+another --model_dir, killed with SIGKILL several times (as soon as its
+lock file appears, while it writes trainer.json, its first file; within its
+first seconds; at a random moment; right after a checkpoint appears) and
+relaunched until a launch finishes. The killed
 run must end with the uninterrupted run's history.json, summary.json and
 TensorBoard points (each point once, scalar values equal), timings aside.
 The trainers' engine is the test process's Keras backend: the suite runs
@@ -27,10 +28,11 @@ import pytest
 from tests import data_dirs
 from tests import run_outputs
 from tests import tensorboard_events
+from trainers import preflight
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_TIMEOUT_S = 300
-_RELAUNCHES = 8  # Kills plus the launch that finishes; bounds a run that never ends.
+_RELAUNCHES = 9  # Kills plus the launch that finishes; bounds a run that never ends.
 _TIMING_TAGS = {"train/images_per_sec"}
 _CHECKPOINT = re.compile(r"^(?:ckpt-)?(\d+)(?:\.index)?$")
 
@@ -110,13 +112,16 @@ def _run_to_end(launcher):
         process.kill()
 
 
-def _wait_and_kill(process, when, run_dir, rng, duration_s):
+def _wait_and_kill(process, when, model_dir, run_dir, rng, duration_s):
     """SIGKILLs `process` at the moment `when` names; returns False if it finished first.
 
     `duration_s` is an uninterrupted launch's time, which bounds the random moments.
     """
     deadline = time.time() + _LAUNCH_TIMEOUT_S
-    if when == "while starting":
+    first_file = os.path.join(model_dir, preflight.LOCK)  # Taken just before trainer.json.
+    if when == "at its first file":
+        kill_at = deadline
+    elif when == "while starting":
         kill_at = time.time() + rng.uniform(0.5, 0.2 * duration_s)
     elif when == "at random":
         kill_at = time.time() + rng.uniform(0.2, 0.9) * duration_s
@@ -124,6 +129,8 @@ def _wait_and_kill(process, when, run_dir, rng, duration_s):
         kill_at, known = deadline, _checkpoint_steps(run_dir)
     while process.poll() is None and time.time() < deadline:
         if when == "after a commit" and _checkpoint_steps(run_dir) - known:
+            break
+        if when == "at its first file" and os.path.exists(first_file):
             break
         if time.time() >= kill_at:
             break
@@ -148,13 +155,25 @@ class KillResumeTest(parameterized.TestCase):
 
         killed = _Launcher(module, args, tempfile.mkdtemp())
         rng = random.Random(0)
-        schedule = ["while starting", "after a commit", "at random", "after a commit", "at random"]
+        schedule = [
+            "at its first file",  # The first launch, into an empty --model_dir.
+            "while starting",
+            "after a commit",
+            "at random",
+            "after a commit",
+            "at random",
+        ]
         finished, kills = False, []
         for when in schedule + ["never"] * (_RELAUNCHES - len(schedule)):
             process = killed.start()
             try:
                 if when == "never" or not _wait_and_kill(
-                    process, when, os.path.join(killed.model_dir, runs[0]), rng, duration_s
+                    process,
+                    when,
+                    killed.model_dir,
+                    os.path.join(killed.model_dir, runs[0]),
+                    rng,
+                    duration_s,
                 ):
                     code = process.wait(timeout=_LAUNCH_TIMEOUT_S)
                     self.assertEqual(code, 0, killed.output()[-3000:])
