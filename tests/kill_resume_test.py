@@ -48,6 +48,14 @@ _MNIST = (
         f"--data_dir={data_dirs.SHARED_DATA}",
     ],
     ["batch_norm"],
+    [
+        "at its first file",  # The first launch, into an empty --model_dir.
+        "while starting",
+        "after a commit",
+        "at random",
+        "after a commit",
+        "at random",
+    ],
 )
 _INCEPTION = (
     "trainers.inception_bn",
@@ -62,6 +70,8 @@ _INCEPTION = (
         "--eval_steps=1",
     ],
     [""],
+    # Fewer kills: each launch compiles the model again (half a minute on JAX).
+    ["at its first file", "after a commit", "at random"],
 )
 
 
@@ -145,7 +155,9 @@ def _wait_and_kill(process, when, model_dir, run_dir, rng, duration_s):
 @pytest.mark.slow
 class KillResumeTest(parameterized.TestCase):
     @parameterized.named_parameters(("mnist", *_MNIST), ("inception", *_INCEPTION))
-    def test_relaunch_after_kills_gives_the_uninterrupted_outputs(self, module, args, runs):
+    def test_relaunch_after_kills_gives_the_uninterrupted_outputs(
+        self, module, args, runs, schedule
+    ):
         if module == _MNIST[0] and not os.path.isdir(data_dirs.SHARED_DATA):
             self.skipTest(f"real MNIST not at {data_dirs.SHARED_DATA}")
         reference = _Launcher(module, args, tempfile.mkdtemp())
@@ -155,14 +167,6 @@ class KillResumeTest(parameterized.TestCase):
 
         killed = _Launcher(module, args, tempfile.mkdtemp())
         rng = random.Random(0)
-        schedule = [
-            "at its first file",  # The first launch, into an empty --model_dir.
-            "while starting",
-            "after a commit",
-            "at random",
-            "after a commit",
-            "at random",
-        ]
         finished, kills = False, []
         for when in schedule + ["never"] * (_RELAUNCHES - len(schedule)):
             process = killed.start()
@@ -183,7 +187,8 @@ class KillResumeTest(parameterized.TestCase):
             finally:
                 process.kill()
         self.assertTrue(finished, killed.output()[-3000:])
-        self.assertGreaterEqual(len(kills), 3, kills)  # Most of the schedule hit a running launch.
+        # Every kill but a random one hits a running launch (a random moment may come too late).
+        self.assertGreaterEqual(len(kills), len([w for w in schedule if w != "at random"]), kills)
         print(f"{module}: killed {kills}, then a launch finished")
 
         self.assertEqual(
