@@ -17,7 +17,10 @@ Candidates:
                 moving-average update of its outputs, as a layer does);
                 each a `tf.function` of the whole step.
     PyTorch     keras_bn and Keras' layer under KERAS_BACKEND=torch,
-                `torch.nn.BatchNorm1d/2d` (2d on channels_last tensors).
+                `torch.nn.BatchNorm1d/2d` (2d on channels_last tensors),
+                and that module called inside the thinnest Keras layer
+                ("keras layer floor": the least any Keras layer costs on
+                this backend, eager, as Keras runs torch).
     JAX         keras_bn and Keras' layer, each one jitted
                 `stateless_call` + gradient program.
 
@@ -191,11 +194,45 @@ def torch_steps(shape, mode):
         "keras_bn": layer_step(keras_bn.BatchNormalization()),
         "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False)),
         "keras": layer_step(keras.layers.BatchNormalization()),
+        "keras layer floor": layer_step(_KerasWrapped(native)),
         name: native_step,
     }
     if mode == "inference":
         steps = {k: (lambda fn=fn: _no_grad(fn)) for k, fn in steps.items()}
     return steps, [name]
+
+
+def _keras_wrapped_class():
+    import keras
+
+    class KerasWrapped(keras.layers.Layer):
+        """torch's own module in the thinnest Keras layer: what any Keras layer costs at least.
+
+        Its call is torch's module on the channels-first view and back, so
+        the time above the module's own is Keras' per-call cost (`__call__`)
+        alone.
+        """
+
+        def __init__(self, module):
+            super().__init__()
+            # Held in functions: Keras would wrap a module attribute in a
+            # TorchModuleWrapper, a second Keras layer with its own cost.
+            self.set_mode, self.run = module.train, module.__call__
+
+        def build(self, input_shape):
+            pass
+
+        def call(self, x, training=None):
+            self.set_mode(bool(training))
+            if len(x.shape) != 4:
+                return self.run(x)
+            return self.run(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+    return KerasWrapped
+
+
+def _KerasWrapped(module):
+    return _keras_wrapped_class()(module)
 
 
 def _no_grad(fn):

@@ -1,5 +1,7 @@
 """Run and path flags: where a run writes, where data lives, its seed."""
 
+import os
+
 from absl import flags
 
 MODEL_DIR = flags.DEFINE_string(
@@ -20,6 +22,25 @@ DATA_DIR = flags.DEFINE_string(
 SEED = flags.DEFINE_integer(
     "seed", 0, "Seed for weight initialisation and data order.", lower_bound=0
 )
+NUM_SEEDS = flags.DEFINE_integer(
+    "num_seeds",
+    1,
+    "Train every run for seeds --seed … --seed+N−1 (mnist_sigmoid: each network, each seed's "
+    "data order and initial kernels shared by both; inception_bn --variant=all: each variant, "
+    "each seed's data order shared by all), each seed a run of its own in <run>/seed_<s>; the "
+    "figure and summary.json give the mean and spread over seeds.",
+    lower_bound=1,
+)
+
+
+def seed_dir(run_dir, seed, num_seeds):
+    """`run_dir`, or `run_dir/seed_<seed>` when the invocation trains several seeds."""
+    return os.path.join(run_dir, f"seed_{seed}") if num_seeds > 1 else run_dir
+
+
+def seeds(seed, num_seeds):
+    """The seeds of --seed and --num_seeds: seed, seed + 1, …, seed + num_seeds − 1."""
+    return list(range(seed, seed + num_seeds))
 
 
 @flags.validator("model_dir", message="--model_dir must not be empty.")

@@ -379,10 +379,11 @@ class BatchNormalization(keras.layers.Layer):
         )
         y, (count, mean, variance) = plan.normalize(
             x,
-            self._broadcast(self.gamma, 1.0),
-            self._broadcast(self.beta, 0.0),
+            None if self.gamma is None else self.gamma.value,
+            None if self.beta is None else self.beta.value,
             reduction_axes=self._reduction_axes,
             epsilon=self.epsilon,
+            broadcast_shape=self._broadcast_shape,
             weights=weights,
             correction=self._renorm_correction if self.renorm else None,
             fused=self.fused,
@@ -443,6 +444,8 @@ class BatchNormalization(keras.layers.Layer):
 
     def _flat_count(self, count):
         # One count for all features, or one per feature (masks over them).
+        if isinstance(count, (int, float)):
+            return count  # Known before run time (a fused kernel's).
         if len(count.shape) == 0 or all(d == 1 for d in count.shape):
             return ops.reshape(count, ())
         shape = self.moving_mean.shape

@@ -113,7 +113,17 @@ class BatchPlan:
         return self.slices != 1
 
     def normalize(
-        self, x, gamma, beta, *, reduction_axes, epsilon, weights=None, correction=None, fused=None
+        self,
+        x,
+        gamma,
+        beta,
+        *,
+        reduction_axes,
+        epsilon,
+        broadcast_shape=None,
+        weights=None,
+        correction=None,
+        fused=None,
     ):
         """One training call's normalisation, in the plan's partition.
 
@@ -126,10 +136,14 @@ class BatchPlan:
 
         Args:
             x: the input in the statistics' dtype, of the layer's rank.
-            gamma, beta: the scale and offset, broadcastable to `x` (size 1
-                on the reduced axes).
+            gamma, beta: the scale and offset, per feature (`None`: 1 and
+                0), or already broadcastable to `x`.
             reduction_axes: the axes of `x` the statistics reduce.
             epsilon: the layer's ε.
+            broadcast_shape: `x`'s rank with size 1 on the reduced axes, the
+                shape γ and β take on the general path (`None`: they have
+                it). A fused kernel takes them per feature, so an eager
+                call does not reshape them twice for nothing.
             weights: `None`, or the mask's 0/1 weights of `x`'s rank.
             correction: `None`, or a function from a slice's `(mean,
                 variance)` to Batch Renormalization's `(r, d)`, which turn the
@@ -143,7 +157,10 @@ class BatchPlan:
         plain = not self.sliced and self.groups is None and weights is None and not correction
         kernel = kernels.choose(x, reduction_axes, epsilon, fused=fused, training=True, plain=plain)
         if kernel is not None:
-            return kernel.train(x, ops.reshape(gamma, (-1,)), ops.reshape(beta, (-1,)), epsilon)
+            return kernel.train(x, _per_feature(gamma), _per_feature(beta), epsilon)
+        if broadcast_shape is not None:
+            gamma = _broadcast(gamma, 1.0, broadcast_shape, x.dtype)
+            beta = _broadcast(beta, 0.0, broadcast_shape, x.dtype)
         x = self._split(x)
         weights = self._split_weights(weights, x)
         if self.sliced:  # γ and β broadcast over the slice axis too.
@@ -290,3 +307,17 @@ def _assert_divisible(x, size):
     )
     with tf.control_dependencies([check]):
         return tf.identity(x)
+
+
+def _per_feature(value):
+    """γ or β as a kernel takes it: a vector, or `None`."""
+    if value is None or len(value.shape) == 1:
+        return value
+    return ops.reshape(value, (-1,))
+
+
+def _broadcast(value, default, shape, dtype):
+    """γ or β in `shape` (`default` everywhere for `None`)."""
+    if value is None:
+        return ops.full(shape, default, dtype=dtype)
+    return ops.reshape(value, shape)

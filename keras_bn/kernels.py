@@ -64,8 +64,9 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
             true for inference.
 
     Returns:
-        A kernel with `train(x, gamma, beta, epsilon)` (per-feature tensors;
-        returns `(y, (count, mean, variance))`, the biased variance) and
+        A kernel with `train(x, gamma, beta, epsilon)` (per-feature tensors,
+        γ and β possibly `None`; returns `(y, (count, mean, variance))`, the
+        biased variance, `count` a Python int when `x`'s shape is static) and
         `infer(x, mean, variance, gamma, beta, epsilon)` (per-feature
         variables or tensors, γ and β possibly `None`), or `None`.
 
@@ -192,13 +193,25 @@ def tensorflow_onednn_enabled():
 
 
 def _channels_last(x):
-    """A torch `x` as an `(M, C, 1, 1)` view in channels-last memory: its rows of C."""
-    return x.reshape(-1, 1, 1, x.shape[-1]).permute(0, 3, 1, 2)
+    """A torch `x` as an NCHW view in channels-last memory, and the inverse view.
+
+    An NHWC input is viewed as its (N, C, H, W) permutation, which ATen runs
+    with its channels-last kernels; any other rank as `(M, C, 1, 1)` rows of
+    C, which ATen takes for contiguous NCHW (both views of the same memory).
+    At (64, 28, 28, 64) a training step took 6.8 ms through the first view
+    and 8.0 ms through the second on the 2-core benchmark machine.
+    """
+    if len(x.shape) == 4:
+        return x.permute(0, 3, 1, 2), lambda y: y.permute(0, 2, 3, 1)
+    shape = x.shape
+    view = x.reshape(-1, 1, 1, shape[-1]).permute(0, 3, 1, 2)
+    return view, lambda y: y.permute(0, 2, 3, 1).reshape(shape)
 
 
-def _torch_value(value):
-    """A Keras variable's torch tensor (`None` stays `None`)."""
-    return None if value is None else ops.convert_to_tensor(value)
+def _value(value):
+    """A Keras variable's backend tensor (what `ops.convert_to_tensor` returns, without
+    its dispatch cost in eager calls); tensors and `None` pass through."""
+    return value.value if isinstance(value, keras.Variable) else value
 
 
 def _unbias(variance, count):
@@ -216,7 +229,7 @@ def _vector(value, default, x):
     """A per-feature value as a tensor (`default` everywhere for `None`)."""
     if value is None:
         return ops.full((x.shape[-1],), default, dtype=x.dtype)
-    return ops.convert_to_tensor(value)
+    return _value(value)
 
 
 def _count(x):
@@ -250,11 +263,15 @@ class _TensorFlowKernel:
         import tensorflow as tf
 
         y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-            self._nhwc(x), gamma, beta, epsilon=epsilon, is_training=True
+            self._nhwc(x),
+            _vector(gamma, 1.0, x),
+            _vector(beta, 0.0, x),
+            epsilon=epsilon,
+            is_training=True,
         )
         count = _count(x)
         mean, variance = _empty_is_zero(count, mean, _unbias(variance, count))
-        return ops.reshape(y, ops.shape(x)), (ops.cast(count, x.dtype), mean, variance)
+        return ops.reshape(y, ops.shape(x)), (count, mean, variance)
 
     def infer(self, x, mean, variance, gamma, beta, epsilon):
         import tensorflow as tf
@@ -263,8 +280,8 @@ class _TensorFlowKernel:
             self._nhwc(x),
             _vector(gamma, 1.0, x),
             _vector(beta, 0.0, x),
-            ops.convert_to_tensor(mean),
-            ops.convert_to_tensor(variance),
+            _value(mean),
+            _value(variance),
             epsilon=epsilon,
             is_training=False,
         )
@@ -282,7 +299,7 @@ class _TorchKernel:
     def train(self, x, gamma, beta, epsilon):
         import torch
 
-        view = _channels_last(x)
+        view, back = _channels_last(x)
         # With momentum 1 the running buffers become the batch's mean and
         # its Bessel-corrected variance.
         mean = torch.zeros(view.shape[1], dtype=view.dtype, device=view.device)
@@ -290,20 +307,17 @@ class _TorchKernel:
         y = torch.nn.functional.batch_norm(
             view, mean, variance, gamma, beta, training=True, momentum=1.0, eps=epsilon
         )
-        count = view.shape[0]
-        statistics = (ops.cast(count, x.dtype), mean, _unbias(variance, count))
-        return y.permute(0, 2, 3, 1).reshape(x.shape), statistics
+        count = _count(x)
+        return back(y), (count, mean, _unbias(variance, count))
 
     def infer(self, x, mean, variance, gamma, beta, epsilon):
         import torch
 
+        view, back = _channels_last(x)
         y = torch.nn.functional.batch_norm(
-            _channels_last(x),
-            *[_torch_value(v) for v in (mean, variance, gamma, beta)],
-            training=False,
-            eps=epsilon,
+            view, *[_value(v) for v in (mean, variance, gamma, beta)], training=False, eps=epsilon
         )
-        return y.permute(0, 2, 3, 1).reshape(x.shape)
+        return back(y)
 
 
 _KERNELS = {"tensorflow": _TensorFlowKernel(), "torch": _TorchKernel()}

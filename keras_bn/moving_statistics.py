@@ -69,17 +69,26 @@ def update(rule, state, mean, variance, count, weight=1.0):
             (with warm-up), "skipped_updates" (with `count_skipped`).
         mean: the batch's mean per feature (the statistics' shape).
         variance: its biased variance σ²_B, shaped like `mean`.
-        count: the values behind each statistic: a scalar, or per feature.
+        count: the values behind each statistic: a scalar (a Python number
+            when known before run time, which spares eager calls a few
+            operations), or per feature.
         weight: the batch's weight w in the cumulative average.
 
     Returns:
         A dict with the keys of `state` and the new values.
     """
     batch_variance = variance
+    static = isinstance(count, (int, float))
     if rule.unbiased_variance:
         # m/(m−1) for m > 1; a single value carries no spread to correct.
-        variance = variance * ops.where(count > 1.0, count / ops.maximum(count - 1.0, 1.0), 1.0)
-    has_values = ops.cast(count > 0.0, mean.dtype)
+        if static:
+            variance = variance * (count / (count - 1.0) if count > 1 else 1.0)
+        else:
+            variance = variance * ops.where(count > 1.0, count / ops.maximum(count - 1.0, 1.0), 1.0)
+    if static:
+        has_values = 1.0 if count > 0 else 0.0
+    else:
+        has_values = ops.cast(count > 0.0, mean.dtype)
     new = {}
     if rule.momentum is None:
         batches = state["moving_batches"] + weight * ops.max(has_values)
@@ -109,7 +118,7 @@ def update(rule, state, mean, variance, count, weight=1.0):
         return new
     # One decision for the whole update: under synchronisation every replica
     # holds the same merged moments, so all copies skip alike.
-    finite = ops.logical_and(ops.all(ops.isfinite(mean)), ops.all(ops.isfinite(variance)))
+    finite = ops.all(ops.isfinite(ops.concatenate([mean, variance])))
     kept = {name: ops.where(finite, value, state[name]) for name, value in new.items()}
     if rule.count_skipped:
         kept["skipped_updates"] = state["skipped_updates"] + 1.0 - ops.cast(finite, mean.dtype)

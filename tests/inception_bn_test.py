@@ -10,6 +10,7 @@ from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
 from absl.testing import parameterized
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -109,6 +110,57 @@ class ModelTest(parameterized.TestCase):
         )
         out = model(np.zeros((2, 32, 32, 3), np.float32), training=True)
         self.assertEqual(out.shape, (2, 10))
+
+
+class WidthMultiplierTest(parameterized.TestCase):
+    def test_scales_every_convolution(self):
+        full = inception_model.build_inception(image_size=32, num_classes=10)
+        half = inception_model.build_inception(image_size=32, num_classes=10, width_multiplier=0.5)
+        convs = [x for x in full.layers if isinstance(x, keras.layers.Conv2D)]
+        self.assertLen(convs, 68)  # With the separable stem, 69 convolutions.
+        for layer in convs:
+            self.assertEqual(
+                half.get_layer(layer.name).filters, round(layer.filters / 2), layer.name
+            )
+        stem = half.get_layer("conv1_7x7")
+        self.assertEqual((stem.filters, stem.depth_multiplier), (32, 8))
+        concat = half.get_layer("inception_3a_concat").output.shape
+        self.assertEqual(tuple(concat[1:]), (4, 4, 128))  # 256 channels at 1.0.
+        self.assertLess(half.count_params(), full.count_params() / 3)
+
+    def test_rounds_to_at_least_one_filter(self):
+        model = inception_model.build_inception(
+            image_size=32, num_classes=10, width_multiplier=0.01
+        )
+        filters = [x.filters for x in model.layers if hasattr(x, "filters")]
+        self.assertEqual(min(filters), 1)  # 32 × 0.01 rounds to 0.
+        self.assertEqual(model.get_layer("conv2_3x3").filters, 2)  # 192 × 0.01
+
+    def test_one_is_the_paper_network(self):
+        model = inception_model.build_inception(image_size=32, width_multiplier=1.0)
+        self.assertEqual(model.count_params(), 11_298_629)  # As at 224: a global pool.
+
+    @parameterized.parameters(0, -0.5, float("nan"), float("inf"), "0.5", None)
+    def test_bad_values_are_refused(self, value):
+        with self.assertRaisesRegex(
+            ValueError, rf"finite number > 0. Received: width_multiplier={value!r}$"
+        ):
+            inception_model.build_inception(image_size=32, width_multiplier=value)
+
+    @parameterized.parameters("0", "-1", "nan", "inf")
+    def test_bad_flag_values_are_refused(self, value):
+        with flag_state.trainer_flags(inception_bn):
+            with self.assertRaisesRegex(
+                flags.IllegalFlagValueError, r"--width_multiplier must be a finite number > 0"
+            ):
+                flags.FLAGS(["prog", f"--width_multiplier={value}"])
+
+    def test_recorded_in_the_config_and_identity(self):
+        run = inception_bn.InceptionRun(_config(width_multiplier=0.25))
+        self.assertEqual(run.config_values()["width_multiplier"], 0.25)
+        self.assertEqual(run.identity()["width_multiplier"], 0.25)
+        run.build()
+        self.assertEqual(run.model.get_layer("conv2_3x3").filters, 48)
 
 
 class RecipeTest(parameterized.TestCase):

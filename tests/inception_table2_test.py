@@ -7,6 +7,7 @@ import tempfile
 from absl import flags
 from absl.testing import absltest
 from absl.testing import parameterized
+import numpy as np
 import pytest
 
 from tests import flag_state
@@ -15,6 +16,7 @@ from tests import tensorboard_events
 from trainers import inception_bn
 from trainers import inception_recipes
 from trainers import inception_table2
+from trainers import preflight
 
 
 def setUpModule():
@@ -152,6 +154,159 @@ class DriverTest(absltest.TestCase):
         plugins = tensorboard_events.read_plugins(config.model_dir)
         self.assertEqual(plugins["figure2"], "images")
         self.assertIn("custom_scalars", plugins.values())
+
+
+# A second seed: Inception peaks at 0.5 (step 300), BN-Baseline never gets
+# there, BN-x5 passes it at step 100 and peaks at 0.9, the sigmoid at step 400.
+SEED_HISTORIES = {
+    0: HISTORIES,
+    1: {
+        "inception": _evals(0.2, 0.4, 0.5, 0.5),
+        "bn_baseline": _evals(0.1, 0.3, 0.45, 0.48),
+        "bn_x5": _evals(0.55, 0.7, 0.9, 0.8),
+        "bn_x5_sigmoid": _evals(0.1, 0.2, 0.3, 0.6),
+    },
+}
+
+
+class SeedsTest(parameterized.TestCase):
+    def test_spread_over_seeds_against_numpy(self):
+        tables = {s: inception_table2.table2(h) for s, h in SEED_HISTORIES.items()}
+        summary = inception_table2.over_seeds(tables)
+        self.assertEqual(summary["seeds"], [0, 1])
+        self.assertEqual(summary["per_seed"], tables)
+        self.assertAlmostEqual(summary["reference_top1"]["mean"], 0.55)
+        rows = summary["rows"]
+        for variant in HISTORIES:
+            best = [max(e["top1"] for e in h[variant]) for h in SEED_HISTORIES.values()]
+            stats = rows[variant]["max_top1"]
+            self.assertAlmostEqual(stats["mean"], np.mean(best), msg=variant)
+            self.assertAlmostEqual(stats["std"], np.std(best), msg=variant)
+            self.assertEqual((stats["min"], stats["max"], stats["count"]), (*sorted(best), 2))
+            self.assertEqual(rows[variant]["seeds"], 2)
+        steps = {v: rows[v]["steps_to_reference"] for v in rows}
+        self.assertEqual(
+            {v: (s["mean"], s["std"], s["min"], s["max"], s["count"]) for v, s in steps.items()},
+            {
+                "inception": (300.0, 0.0, 300, 300, 2),
+                "bn_baseline": (400.0, 0.0, 400, 400, 1),
+                "bn_x5": (150.0, 50.0, 100, 200, 2),
+                "bn_x5_sigmoid": (400.0, 0.0, 400, 400, 1),
+            },
+        )
+        self.assertEqual(
+            {v: rows[v]["never_reached"] for v in rows},
+            {"inception": 0, "bn_baseline": 1, "bn_x5": 0, "bn_x5_sigmoid": 1},
+        )
+        lines = inception_table2.markdown_over_seeds(summary).splitlines()
+        self.assertIn("Over seeds 0, 1:", lines[0])
+        self.assertIn("55.0% ± 5.0% (50.0%–60.0%)", lines[0])
+        self.assertIn(
+            "| bn_x5 | 2 | 150 ± 50 (100–200) | 0 | 85.0% ± 5.0% (80.0%–90.0%) | 2.1·10⁶ | 73.0% |",
+            lines,
+        )
+        self.assertIn("| bn_x5_sigmoid | 2 | 400 ± 0 | 1 |", lines[-1])
+
+    def test_a_seed_partly_run_counts_where_it_ran(self):
+        tables = {
+            0: inception_table2.table2(HISTORIES),
+            1: inception_table2.table2({"inception": SEED_HISTORIES[1]["inception"]}),
+        }
+        rows = inception_table2.over_seeds(tables)["rows"]
+        self.assertEqual((rows["inception"]["seeds"], rows["bn_x5"]["seeds"]), (2, 1))
+        self.assertEqual(rows["bn_x5"]["max_top1"]["mean"], 0.8)
+
+    def test_spread_of_nothing(self):
+        self.assertEqual(
+            inception_table2.spread([None]),
+            {"mean": None, "std": None, "min": None, "max": None, "count": 0},
+        )
+
+    def test_band_figure(self):
+        runs = {v: [h[v] for h in SEED_HISTORIES.values()] for v in HISTORIES}
+        runs["bn_x30"] = [_evals(0.1, 0.2), _evals(0.3, 0.4, 0.5)]  # Steps both have: 100, 200.
+        steps, mean, low, high = inception_table2._mean_and_band(runs["bn_x30"])
+        self.assertEqual(steps, [100, 200])
+        np.testing.assert_allclose(mean, [0.2, 0.3])
+        np.testing.assert_allclose((low, high), ([0.1, 0.2], [0.3, 0.4]))
+        path = os.path.join(tempfile.mkdtemp(), "figure2.png")
+        png = inception_table2.plot_figure(runs, [0.6, 0.5], path)
+        self.assertEqual(png[:8], b"\x89PNG\r\n\x1a\n")
+        with open(path, "rb") as f:
+            self.assertEqual(f.read(), png)
+
+    def test_driver_trains_every_variant_per_seed(self):
+        config = _all_config(train_steps=400, num_seeds=2, seed=3)
+        seen = []
+
+        def train_variant(one):
+            seen.append((one.seed, one.variant))
+            self.assertEqual(
+                one.model_dir, os.path.join(config.model_dir, one.variant, f"seed_{one.seed}")
+            )
+            evals = SEED_HISTORIES[one.seed - 3].get(one.variant, _evals(0.4, 0.65, 0.7, 0.75))
+            return {"evals": evals, "steps": 400, "wall_time_s": 12.0}
+
+        summary = inception_table2.run(config, train_variant, inception_bn.config_values)
+        variants = inception_recipes.TABLE2_VARIANTS
+        self.assertEqual(seen, [(s, v) for s in (3, 4) for v in variants])
+        self.assertEqual(summary["rows"]["bn_x5"]["steps_to_reference"]["mean"], 150.0)
+        with open(os.path.join(config.model_dir, "summary.json")) as f:
+            written = json.load(f)
+        self.assertEqual(sorted(written["per_seed"]), ["3", "4"])
+        self.assertEqual(written["per_seed"]["4"]["reference_top1"], 0.5)
+        self.assertEqual(written["variants"]["bn_x5"], {"wall_time_s": 24.0, "decay_steps": 5})
+        self.assertEqual(written["config"]["num_seeds"], 2)
+        with open(os.path.join(config.model_dir, "table2.md")) as f:
+            self.assertIn("| bn_x5 | 2 | 150 ± 50 (100–200) |", f.read())
+        self.assertTrue(os.path.exists(os.path.join(config.model_dir, "figure2.png")))
+        self.assertEqual(tensorboard_events.read_plugins(config.model_dir)["figure2"], "images")
+
+    def test_several_seeds_need_all(self):
+        with flag_state.trainer_flags(inception_bn, num_seeds=2, variant="bn_x5"):
+            with self.assertRaisesRegex(
+                preflight.InputError,
+                r"--num_seeds > 1 repeats.*Received: num_seeds=2, variant=bn_x5",
+            ):
+                inception_bn.config_from_flags()
+
+
+# Ten runs (five variants, two seeds), each built and compiled: about two
+# minutes on two CPU cores, so slow although each run trains only two steps.
+@pytest.mark.slow
+class SeedsSmokeTest(absltest.TestCase):
+    def test_fake_data_two_seeds(self):
+        """--variant=all --num_seeds=2 on fake data: each run's directory, the table, the figure."""
+        model_dir = tempfile.mkdtemp()
+        with flag_state.trainer_flags(
+            inception_bn,
+            variant="all",
+            num_seeds=2,
+            use_fake_data=True,
+            image_size=32,
+            width_multiplier=0.05,
+            batch_size=4,
+            train_steps=2,
+            eval_every=2,
+            eval_steps=1,
+            model_dir=model_dir,
+        ):
+            inception_bn.main(["inception_bn"])
+        for variant in inception_recipes.TABLE2_VARIANTS:
+            for seed in (0, 1):
+                run_dir = os.path.join(model_dir, variant, f"seed_{seed}")
+                with open(os.path.join(run_dir, "summary.json")) as f:
+                    run = json.load(f)
+                self.assertEqual((run["steps"], run["config"]["seed"]), (2, seed))
+                self.assertEqual(run["config"]["width_multiplier"], 0.05)
+        with open(os.path.join(model_dir, "summary.json")) as f:
+            summary = json.load(f)
+        self.assertEqual(sorted(summary["per_seed"]), ["0", "1"])
+        self.assertEqual(summary["rows"]["bn_x30"]["seeds"], 2)
+        with open(os.path.join(model_dir, "table2.md")) as f:
+            self.assertIn("| bn_x5_sigmoid | 2 |", f.read())
+        with open(os.path.join(model_dir, "figure2.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
 def _all_config(**overrides):

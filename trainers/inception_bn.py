@@ -10,6 +10,14 @@ the whole configuration, and the step at which top-1 first reaches --target_accu
 (the paper's Table 2 metric) to TensorBoard under --model_dir, and
 checkpoints; a restarted run continues at its checkpointed step.
 
+--eval_bn_statistics=precise evaluates with BN statistics re-estimated before
+each evaluation on the run's first --precise_bn_batches training batches
+(trainers/skeleton.py): top1 (and so the steps to the target), top5 and
+summary.json are then theirs, the record keeps the moving statistics' as
+moving_top1/moving_top5 and the estimation's wall time as
+precise_bn_seconds, TensorBoard logs eval/moving_top1, eval/moving_top5 and
+eval/precise_bn_seconds, and the checkpoints keep the moving statistics.
+
 Smoke run (fake data, small images, a few steps):
 
     python -m trainers.inception_bn --use_fake_data --image_size=64 \
@@ -38,9 +46,32 @@ variants in turn with one summary and Figure 2 (trainers/inception_table2.py):
     python -m trainers.inception_bn --dataset=fashion_mnist --variant=all \
         --image_size=32 --train_steps=1000 --eval_every=100 --eval_steps=64 \
         --data_dir=DIR --model_dir=runs/table2_fashion_mnist
+
+--width_multiplier scales every convolution's filter count (1.0: the paper's
+network) so that the miniature fits on CPUs; --num_seeds=N (with
+--variant=all only) trains every variant for seeds --seed … --seed+N−1, each
+in --model_dir/<variant>/seed_<s>, and the table gives mean ± std over seeds
+with Figure 2's min–max bands:
+
+    python -m trainers.inception_bn --dataset=fashion_mnist --variant=all \
+        --num_seeds=3 --width_multiplier=0.25 --image_size=32 --batch_size=32 \
+        --train_steps=1000 --eval_every=100 --eval_steps=64 \
+        --data_dir=DIR --model_dir=runs/table2_seeds
+
+Learning-rate sweep (--lr_sweep; trainers/lr_sweep.py; TensorFlow only, one
+seed, no --variant other than all and no recipe override): the inception and
+bn_baseline recipes, the same but for BN, each at its learning rate × each
+multiplier and its decay scaled to --train_steps as with --variant=all, in
+--model_dir/<variant>/lr_x<m>, compared in lr_sweep.json, lr_sweep.md and
+lr_sweep.png at the root:
+
+    python -m trainers.inception_bn --dataset=fashion_mnist --lr_sweep=1,5,30,100 \
+        --width_multiplier=0.25 --image_size=32 --train_steps=1000 --eval_every=100 \
+        --eval_steps=64 --data_dir=DIR --model_dir=runs/lr_sweep_inception
 """
 
 import dataclasses
+import math
 import os
 
 from absl import app
@@ -56,10 +87,12 @@ from trainers import image_data
 from trainers import inception_model
 from trainers import inception_recipes
 from trainers import inception_table2
+from trainers import lr_sweep
 from trainers import preflight
 from trainers import skeleton
 from trainers import strategy as strategy_lib
 from trainers import summaries
+from trainers import tb_report
 
 _RECIPE_DEFAULT = "Default: the --variant recipe's (trainers/inception_recipes.py)."
 VARIANT = flags.DEFINE_enum(
@@ -84,6 +117,17 @@ DATASET = flags.DEFINE_string(
     "fashion_mnist); grayscale becomes 3 channels, classes come from its info.",
 )
 IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Input height and width.", lower_bound=32)
+WIDTH_MULTIPLIER = flags.DEFINE_float(
+    "width_multiplier",
+    1.0,
+    "Scales every convolution's filter count (rounded, at least 1): a narrower network for "
+    "miniatures on CPUs. 1.0: the paper's BN-Inception.",
+)
+flags.register_validator(
+    "width_multiplier",
+    lambda value: 0.0 < value < math.inf,
+    message="--width_multiplier must be a finite number > 0.",
+)
 USE_FAKE_DATA = flags.DEFINE_bool(
     "use_fake_data", False, "Random data of the real shapes instead of --dataset."
 )
@@ -129,6 +173,11 @@ TRAINING_DEFAULTS = dict(
 training_flags.set_defaults(**TRAINING_DEFAULTS)
 
 TRAINER = "trainers.inception_bn"  # Recorded in --model_dir (see trainers/preflight.py).
+# With --eval_bn_statistics=precise, in each run: the two statistics' accuracies in one chart.
+PRECISE_CHARTS = {
+    "top-1, precise and moving BN statistics": [r"^eval/(moving_)?top1$"],
+    "top-5, precise and moving BN statistics": [r"^eval/(moving_)?top5$"],
+}
 
 
 @flags.multi_flags_validator(
@@ -182,6 +231,44 @@ def _inception_x5_with_all(values):
     return values["variant"] == "all" or not values["with_inception_x5"]
 
 
+def check_seeds_and_sweep():
+    """Raises `preflight.InputError` for the --num_seeds and --lr_sweep combinations refused.
+
+    --num_seeds > 1 repeats --variant=all only; --lr_sweep trains the
+    inception and bn_baseline recipes as they are (so no other --variant and
+    no recipe override) on TensorFlow, where their LRN layers build. Checked
+    by `config_from_flags`, not by flag validators: these flags are shared
+    with mnist_sigmoid, whose values would trip a validator in a process that
+    defines both trainers' flags.
+    """
+    variant, seeds = VARIANT.value, run_flags.NUM_SEEDS.value
+    if seeds > 1 and variant != "all":
+        raise preflight.InputError(
+            "--num_seeds > 1 repeats Table 2 in miniature (--variant=all) over seeds; train one "
+            "variant's seeds each with its own --seed and --model_dir. "
+            f"Received: num_seeds={seeds}, variant={variant}"
+        )
+    if not training_flags.LR_SWEEP.value:
+        return
+    overrides = (training_flags.LEARNING_RATE, DROPOUT, WEIGHT_DECAY, DECAY_STEPS)
+    given = [f"{h.name}={h.value}" for h in overrides if h.value is not None]
+    if variant not in (VARIANT.default, "all"):
+        given.insert(0, f"variant={variant}")
+    if given:
+        raise preflight.InputError(
+            "--lr_sweep trains the inception and bn_baseline recipes as they are, each at its "
+            "learning rate × each multiplier: drop --variant (or pass --variant=all), "
+            "--learning_rate, --dropout, --weight_decay and --lr_decay_steps. "
+            f"Received: {', '.join(given)}"
+        )
+    if distribution_flags.engine() != "tensorflow":
+        raise preflight.InputError(
+            "--lr_sweep trains inception and bn_baseline, whose local response normalisation "
+            "(tf.nn.local_response_normalization) builds on TensorFlow only: run the sweep "
+            f"under KERAS_BACKEND=tensorflow. Received: engine={distribution_flags.engine()}"
+        )
+
+
 def build_model(
     recipe,
     *,
@@ -190,6 +277,7 @@ def build_model(
     sync_group_size=None,
     num_classes=image_data.NUM_CLASSES,
     momentum_warmup=False,
+    width_multiplier=1.0,
 ):
     return inception_model.build_inception(
         image_size=image_size,
@@ -202,6 +290,7 @@ def build_model(
         sync_batch_norm=sync_batch_norm,
         sync_group_size=sync_group_size,
         momentum_warmup=momentum_warmup,
+        width_multiplier=width_multiplier,
     )
 
 
@@ -243,11 +332,14 @@ class Config(strategy_lib.DistributionConfig):
     dataset: str
     with_inception_x5: bool
     seed: int
+    num_seeds: int
+    lr_sweep: tuple | None
     train_steps: int
     batch_size: int
     eval_every: int
     eval_steps: int | None
     image_size: int
+    width_multiplier: float
     use_fake_data: bool
     steps_per_execution: int
     mixed_precision: bool
@@ -256,6 +348,8 @@ class Config(strategy_lib.DistributionConfig):
     bn_momentum_warmup: bool
     allow_config_change: bool
     deterministic: bool
+    eval_bn_statistics: str
+    precise_bn_batches: int
 
     def loop(self):
         """The `skeleton.LoopConfig` of the run."""
@@ -271,6 +365,8 @@ class Config(strategy_lib.DistributionConfig):
             sync_group_size=self.sync_group_size,
             allow_config_change=self.allow_config_change,
             deterministic=self.deterministic,
+            eval_bn_statistics=self.eval_bn_statistics,
+            precise_bn_batches=self.precise_bn_batches,
         )
 
     def create_runner(self):
@@ -280,11 +376,18 @@ class Config(strategy_lib.DistributionConfig):
 
 
 def config_from_flags():
-    """The `Config` of the parsed flags (called by `main` only)."""
+    """The `Config` of the parsed flags (called by `main` only).
+
+    Raises:
+        preflight.InputError: for a refused --num_seeds or --lr_sweep
+            combination (`check_seeds_and_sweep`).
+    """
     holders = [
         run_flags.MODEL_DIR,
         run_flags.DATA_DIR,
         run_flags.SEED,
+        run_flags.NUM_SEEDS,
+        training_flags.LR_SWEEP,
         training_flags.TRAIN_STEPS,
         training_flags.BATCH_SIZE,
         training_flags.EVAL_EVERY,
@@ -292,6 +395,7 @@ def config_from_flags():
         DATASET,
         WITH_INCEPTION_X5,
         IMAGE_SIZE,
+        WIDTH_MULTIPLIER,
         USE_FAKE_DATA,
         STEPS_PER_EXECUTION,
         MIXED_PRECISION,
@@ -300,13 +404,17 @@ def config_from_flags():
         TARGET_ACCURACY,
         run_flags.ALLOW_CONFIG_CHANGE,
         run_flags.DETERMINISTIC,
+        training_flags.EVAL_BN_STATISTICS,
+        training_flags.PRECISE_BN_BATCHES,
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
+    check_seeds_and_sweep()
     # --learning_rate, --dropout, --weight_decay and --lr_decay_steps override
     # the recipe, where they are recorded.
-    recipe = None
-    if VARIANT.value != "all":
+    recipe = None  # --variant=all and --lr_sweep train several recipes.
+    lr_multipliers = training_flags.lr_multipliers()
+    if VARIANT.value != "all" and not lr_multipliers:
         recipe = inception_recipes.resolve(
             VARIANT.value,
             learning_rate=training_flags.LEARNING_RATE.value,
@@ -314,7 +422,8 @@ def config_from_flags():
             weight_decay=WEIGHT_DECAY.value,
             decay_steps=DECAY_STEPS.value,
         )
-    return Config(recipe=recipe, **summaries.flag_values(holders))
+    values = {**summaries.flag_values(holders), "lr_sweep": lr_multipliers}
+    return Config(recipe=recipe, **values)
 
 
 def config_values(config):
@@ -362,6 +471,7 @@ class InceptionRun(skeleton.Task):
             sync_group_size=config.sync_group_size,
             momentum_warmup=config.bn_momentum_warmup,
             num_classes=self.spec.num_classes,
+            width_multiplier=config.width_multiplier,
         )
         self.schedule = keras.optimizers.schedules.ExponentialDecay(
             recipe.learning_rate, recipe.decay_steps, inception_recipes.DECAY_RATE, staircase=True
@@ -391,6 +501,7 @@ class InceptionRun(skeleton.Task):
             "batch_size",
             "dataset",
             "image_size",
+            "width_multiplier",
             "use_fake_data",
             "mixed_precision",
             "bn_momentum_warmup",
@@ -398,6 +509,10 @@ class InceptionRun(skeleton.Task):
             "sync_group_size",
         )
         return {k: v for k, v in values.items() if k in keys or k.startswith("recipe.")}
+
+    def write_start(self, writer):
+        if self.config.eval_bn_statistics == "precise":
+            tb_report.write_custom_scalars(writer, "Precise BN statistics", PRECISE_CHARTS)
 
     def train_dataset(self, start_step):
         # The batches (order and distortions) are a function of (seed, step),
@@ -417,12 +532,19 @@ class InceptionRun(skeleton.Task):
             "images_per_sec": self.config.batch_size * interval["steps"] / interval["seconds"],
         }
 
+    def statistics_metrics(self):
+        return ("top1", "top5")
+
     def write_summaries(self, record, history):
         tf.summary.scalar("train/loss", record["train_loss"])
         tf.summary.scalar("train/learning_rate", record["learning_rate"])
         tf.summary.scalar("eval/top1", record["top1"])
         tf.summary.scalar("eval/top5", record["top5"])
         tf.summary.scalar("train/images_per_sec", record["images_per_sec"])
+        if "precise_bn_seconds" in record:  # --eval_bn_statistics=precise
+            tf.summary.scalar("eval/moving_top1", record["moving_top1"])
+            tf.summary.scalar("eval/moving_top5", record["moving_top5"])
+            tf.summary.scalar("eval/precise_bn_seconds", record["precise_bn_seconds"])
         reached = steps_to_target(history["evals"], self.config.target_accuracy)
         if reached is not None:
             tf.summary.scalar("eval/steps_to_target", reached)
@@ -472,7 +594,9 @@ def main(argv):
         preflight.one_line_errors("inception_bn"),
         config.reporting_lost_workers(config.model_dir),
     ):
-        if config.variant == "all":
+        if config.lr_sweep:
+            run_lr_sweep(config, train, spec.num_classes, writes=runner.is_chief)
+        elif config.variant == "all":
             inception_table2.run(config, train, config_values, writes=runner.is_chief)
         else:
             train(config)
@@ -485,6 +609,36 @@ def train_variant(config, spec, runner):
     if runner.is_chief:  # Only the chief writes the run's results.
         write_summary(config, history)
     return history
+
+
+# --lr_sweep compares these two recipes, the same but for BN.
+SWEEP_VARIANTS = ("inception", "bn_baseline")
+
+
+def sweep_config(config, variant, multiplier):
+    """One run of --lr_sweep: the variant's config of --variant=all, its rate × `multiplier`."""
+    one = inception_table2.variant_config(config, variant)
+    recipe = dataclasses.replace(one.recipe, learning_rate=one.recipe.learning_rate * multiplier)
+    model_dir = lr_sweep.run_dir(config.model_dir, variant, multiplier)
+    return dataclasses.replace(one, recipe=recipe, model_dir=model_dir)
+
+
+def run_lr_sweep(config, train_variant, num_classes, writes=True):
+    """--lr_sweep: inception and bn_baseline at each multiple of their rate (trainers/lr_sweep.py).
+
+    Each recipe's decay interval is scaled to --train_steps as in --variant=all.
+    """
+    sweep = lr_sweep.Sweep(
+        model_dir=config.model_dir,
+        networks=SWEEP_VARIANTS,
+        multipliers=config.lr_sweep,
+        base_learning_rates={v: inception_recipes.RECIPES[v].learning_rate for v in SWEEP_VARIANTS},
+        num_classes=num_classes,
+        accuracy_key="top1",
+        config=config_values(config),
+    )
+    writer = summaries.root_writer(config.model_dir) if writes else None
+    return lr_sweep.run(sweep, lambda v, m: train_variant(sweep_config(config, v, m)), writer)
 
 
 if __name__ == "__main__":

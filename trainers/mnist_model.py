@@ -10,6 +10,7 @@ import keras_bn
 
 RUN_NAMES = {"none": "baseline", "batch_norm": "batch_norm"}
 HIDDEN_UNITS = (100, 100, 100)
+NUM_CLASSES = 10
 
 
 def build_model(
@@ -69,6 +70,6 @@ def build_model(
             h = batch_norm_layer(name=f"bn_{i}", **bn_kwargs)(h)
         pre_activations.append(h)
         h = keras.layers.Activation("sigmoid", name=f"sigmoid_{i}")(h)
-    logits = keras.layers.Dense(10, kernel_initializer=initializer(0), name="logits")(h)
+    logits = keras.layers.Dense(NUM_CLASSES, kernel_initializer=initializer(0), name="logits")(h)
     model = keras.Model(inputs, logits, name=f"mnist_{RUN_NAMES[norm]}")
     return model, keras.Model(inputs, pre_activations, name="probe")

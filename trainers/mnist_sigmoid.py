@@ -16,6 +16,14 @@ HParams experiment and, at the end, the Figure 1 image; figure1.png (mean
 and min–max band over seeds) and summary.json are written there too
 (trainers/mnist_report.py).
 
+--eval_bn_statistics=precise evaluates the BN network with statistics
+re-estimated before each evaluation on its first --precise_bn_batches
+training batches (trainers/skeleton.py); test_accuracy and the percentiles
+are then theirs, the record keeps the moving statistics' as moving_* and the
+estimation's wall time as precise_bn_seconds, TensorBoard logs
+eval/moving_test_accuracy and eval/precise_bn_seconds beside
+eval/test_accuracy, and the checkpoints keep the moving statistics.
+
 Run (both networks, same seed and data order; without --data_dir TFDS
 downloads MNIST):
 
@@ -27,6 +35,16 @@ ends higher than the baseline (98.08% vs 97.78% after 50,000 steps; 90.45%
 vs 82.75% after 500; measured 2026, 2-core AMD EPYC CPU, TensorFlow 2.21.0,
 Keras 3.15.1; see docs/reproduction.md), and its sigmoid-input percentiles
 stay stable while the baseline's drift, as in the paper's Figure 1.
+
+Learning-rate sweep (--lr_sweep, one seed; trainers/lr_sweep.py): each
+network of --norm at --learning_rate × each multiplier, in
+--model_dir/<network>/lr_x<m>; lr_sweep.json, lr_sweep.md and lr_sweep.png
+at the root give each run's final and best accuracy and final train loss,
+which runs diverged, and each network's best and largest stable rate (no
+figure1.png or summary.json then):
+
+    python -m trainers.mnist_sigmoid --lr_sweep=1,5,30,100 --train_steps=5000 \
+        --data_dir=/path/to/tensorflow_datasets --model_dir=runs/mnist_lr_sweep
 """
 
 import dataclasses
@@ -44,6 +62,7 @@ from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
+from trainers import lr_sweep
 from trainers import mnist_data
 from trainers import mnist_model
 from trainers import mnist_report
@@ -51,6 +70,7 @@ from trainers import preflight
 from trainers import skeleton
 from trainers import strategy as strategy_lib
 from trainers import summaries
+from trainers import tb_report
 
 NORM = flags.DEFINE_enum(
     "norm",
@@ -71,14 +91,6 @@ PROBE_SIZE = flags.DEFINE_integer(
     "Test images in the fixed probe batch for the percentiles and histograms.",
     lower_bound=2,
 )
-NUM_SEEDS = flags.DEFINE_integer(
-    "num_seeds",
-    1,
-    "Train each network for seeds --seed … --seed+N−1 (each seed's data order and initial "
-    "kernels shared by both networks), each seed a run of its own; the figure and "
-    "summary.json give the mean and spread over seeds.",
-    lower_bound=1,
-)
 TRAIN_SUBSET = flags.DEFINE_integer(
     "train_subset",
     None,
@@ -93,6 +105,10 @@ TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/pref
 RUN_NAMES = mnist_model.RUN_NAMES
 PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, c follows.
 PERCENTILES = mnist_report.PERCENTILES
+# With --eval_bn_statistics=precise, in each run: the two statistics' accuracies in one chart.
+PRECISE_CHARTS = {
+    "test accuracy, precise and moving BN statistics": [r"^eval/(moving_)?test_accuracy$"]
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +130,15 @@ class Config(strategy_lib.DistributionConfig):
     init_std: float
     probe_size: int
     num_seeds: int
+    lr_sweep: tuple | None
+    # Not a flag: the multiplier of one run of a sweep (`sweep_config`), None outside one.
+    lr_multiplier: float | None = dataclasses.field(default=None, kw_only=True)
     train_subset: int | None
     bn_momentum_warmup: bool
     allow_config_change: bool
     deterministic: bool
+    eval_bn_statistics: str
+    precise_bn_batches: int
 
     @property
     def networks(self):
@@ -126,12 +147,17 @@ class Config(strategy_lib.DistributionConfig):
 
     @property
     def seeds(self):
-        return list(range(self.seed, self.seed + self.num_seeds))
+        return run_flags.seeds(self.seed, self.num_seeds)
 
     def run_dir(self, norm, seed):
-        """`model_dir/<network>`, or `model_dir/<network>/seed_<seed>` with several seeds."""
-        seed_dir = [f"seed_{seed}"] if self.num_seeds > 1 else []
-        return os.path.join(self.model_dir, RUN_NAMES[norm], *seed_dir)
+        """`model_dir/<network>`, or `model_dir/<network>/seed_<seed>` with several seeds.
+
+        In a learning-rate sweep (`lr_multiplier` set): `model_dir/<network>/lr_x<m>`.
+        """
+        if self.lr_multiplier is not None:
+            return lr_sweep.run_dir(self.model_dir, RUN_NAMES[norm], self.lr_multiplier)
+        network_dir = os.path.join(self.model_dir, RUN_NAMES[norm])
+        return run_flags.seed_dir(network_dir, seed, self.num_seeds)
 
     def loop(self, norm, seed):
         """The `skeleton.LoopConfig` of the run of network `norm` with `seed`."""
@@ -147,6 +173,8 @@ class Config(strategy_lib.DistributionConfig):
             sync_group_size=self.sync_group_size,
             allow_config_change=self.allow_config_change,
             deterministic=self.deterministic,
+            eval_bn_statistics=self.eval_bn_statistics,
+            precise_bn_batches=self.precise_bn_batches,
         )
 
 
@@ -163,14 +191,17 @@ def config_from_flags():
         NORM,
         INIT_STD,
         PROBE_SIZE,
-        NUM_SEEDS,
+        run_flags.NUM_SEEDS,
+        training_flags.LR_SWEEP,
         TRAIN_SUBSET,
         run_flags.ALLOW_CONFIG_CHANGE,
         run_flags.DETERMINISTIC,
+        training_flags.EVAL_BN_STATISTICS,
+        training_flags.PRECISE_BN_BATCHES,
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
-    return Config(**summaries.flag_values(holders))
+    return Config(**{**summaries.flag_values(holders), "lr_sweep": training_flags.lr_multipliers()})
 
 
 class MnistRun(skeleton.Task):
@@ -232,6 +263,8 @@ class MnistRun(skeleton.Task):
     def write_start(self, writer):
         trial = os.path.relpath(self.config.run_dir(self.norm, self.seed), self.config.model_dir)
         mnist_report.write_run_hparams(writer, self.network, self.config, self.seed, trial)
+        if self.config.eval_bn_statistics == "precise":
+            tb_report.write_custom_scalars(writer, "Precise BN statistics", PRECISE_CHARTS)
 
     def train_dataset(self, start_step):
         images, labels = self.train
@@ -248,6 +281,9 @@ class MnistRun(skeleton.Task):
         record.update({f"p{q}": float(v) for q, v in zip(PERCENTILES, quantiles)})
         return record
 
+    def statistics_metrics(self):
+        return ("test_accuracy", *(f"p{q}" for q in PERCENTILES))
+
     def write_summaries(self, record, history):
         del history  # MNIST logs each evaluation on its own.
         described = {
@@ -257,6 +293,18 @@ class MnistRun(skeleton.Task):
         }
         for tag, value in described.items():
             tf.summary.scalar(tag, value, description=mnist_report.SCALAR_DESCRIPTIONS[tag])
+        if "precise_bn_seconds" in record:  # --eval_bn_statistics=precise
+            tf.summary.scalar(
+                "eval/moving_test_accuracy",
+                record["moving_test_accuracy"],
+                description="Test accuracy with the moving BN statistics; eval/test_accuracy "
+                "is with the precise ones.",
+            )
+            tf.summary.scalar(
+                "eval/precise_bn_seconds",
+                record["precise_bn_seconds"],
+                description="Wall time of re-estimating the BN statistics for this evaluation.",
+            )
         for q in PERCENTILES:
             tf.summary.scalar(
                 mnist_report.percentile_tag(self.network, q),
@@ -303,6 +351,34 @@ def write_results(config, runs, root):
     )
 
 
+def sweep_config(config, multiplier):
+    """The config of one run of --lr_sweep: --learning_rate × `multiplier`, its own directory."""
+    return dataclasses.replace(
+        config, learning_rate=config.learning_rate * multiplier, lr_multiplier=multiplier
+    )
+
+
+def run_sweep(config, runner, data, root):
+    """--lr_sweep: every network at each multiple of --learning_rate (trainers/lr_sweep.py)."""
+    norms = {RUN_NAMES[norm]: norm for norm in config.networks}
+
+    def train_one(network, multiplier):
+        one = sweep_config(config, multiplier)
+        task = MnistRun(one, norms[network], config.seed, *data)
+        return skeleton.train_and_evaluate(task, one.loop(norms[network], config.seed), runner)
+
+    sweep = lr_sweep.Sweep(
+        model_dir=config.model_dir,
+        networks=tuple(norms),
+        multipliers=config.lr_sweep,
+        base_learning_rates={network: config.learning_rate for network in norms},
+        num_classes=mnist_model.NUM_CLASSES,
+        accuracy_key="test_accuracy",
+        config=dataclasses.asdict(config),
+    )
+    lr_sweep.run(sweep, train_one, root)
+
+
 def main(argv):
     with preflight.one_line_errors("mnist_sigmoid"):
         if len(argv) > 1:
@@ -327,6 +403,9 @@ def main(argv):
         if runner.is_chief:
             root = summaries.root_writer(config.model_dir)
             mnist_report.write_dashboards(root, [RUN_NAMES[n] for n in config.networks])
+        if config.lr_sweep:
+            run_sweep(config, runner, (train, test), root)
+            return
         runs = {RUN_NAMES[norm]: [] for norm in config.networks}
         for seed in config.seeds:  # Both networks of a seed, then the next seed.
             for norm in config.networks:

@@ -8,6 +8,14 @@ tf.distribute custom loop) on TensorFlow, `trainers.jax_runner.JaxRunner`
 `create_runner` picks the Keras backend's. Evaluation, logging and
 checkpoint scheduling here do not depend on the engine: tasks compile their
 own evaluation functions with `runner.compile(fn, model)`.
+
+With `LoopConfig.eval_bn_statistics="precise"` each evaluation runs twice:
+with the moving statistics, then with statistics re-estimated by
+`keras_bn.estimate_population_statistics` on the run's first
+`precise_bn_batches` training batches (`Task.train_dataset(0)`: the same
+batches at every evaluation, and for a resumed run). The model's
+non-trainable state is put back before the record is logged and checkpointed,
+so checkpoints and the training trajectory hold the moving statistics only.
 """
 
 import dataclasses
@@ -17,6 +25,8 @@ from absl import logging
 import keras
 
 from flags import distribution_flags as distribution_flags
+import keras_bn
+from keras_bn import population
 from trainers import preflight
 from trainers import run_state
 
@@ -41,6 +51,11 @@ class LoopConfig:
         deterministic: make the engine's ops deterministic
             (`runner.make_deterministic`), so a run and its resumption after
             any kill give bit-identical histories.
+        eval_bn_statistics: "moving" (the layers' moving statistics, the
+            paper's) or "precise" (re-estimated before each evaluation; see
+            `evaluate`).
+        precise_bn_batches: with "precise", the training batches the
+            statistics are estimated on.
     """
 
     name: str
@@ -54,6 +69,8 @@ class LoopConfig:
     sync_group_size: int | None = None
     allow_config_change: bool = False
     deterministic: bool = True
+    eval_bn_statistics: str = "moving"
+    precise_bn_batches: int = 100
 
 
 class Task:
@@ -99,6 +116,14 @@ class Task:
         "train_loss", their number "steps" and the "seconds" they took.
         """
         raise NotImplementedError
+
+    def statistics_metrics(self):
+        """The keys of `evaluate`'s record that depend on the BN inference statistics.
+
+        With precise statistics each is recorded again, prefixed "moving_", as
+        the moving statistics give it.
+        """
+        return ()
 
     def write_summaries(self, record, history):
         """Logs `record` (the default writer is the run's, at its step)."""
@@ -168,7 +193,7 @@ def train_and_evaluate(task, loop, runner):
         run_steps = runner.train_function(
             task.train_dataset(run.start), model, optimizer, loss_fn, loop.batch_size
         )
-        history = train_and_log(run, task, loop, run_steps)
+        history = train_and_log(run, task, loop, run_steps, model)
         if not run.finished:
             end_writer = run.end_writer()
             task.write_end(end_writer, history)
@@ -177,13 +202,15 @@ def train_and_evaluate(task, loop, runner):
         return history
 
 
-def train_and_log(run, task, loop, run_steps):
+def train_and_log(run, task, loop, run_steps, model=None):
     """Trains from `run.start` to `loop.train_steps`, evaluating every `loop.eval_every` steps.
 
     Steps run in compiled chunks of at most `loop.steps_per_execution`
     (`run_steps(n) -> mean loss`). After each interval, which ends at the
-    next multiple of `eval_every` (or at `train_steps`), `task.evaluate`
-    returns the record to keep, and the record is committed in the order of
+    next multiple of `eval_every` (or at `train_steps`), `evaluate` returns
+    the record to keep (`task.evaluate`'s; with precise BN statistics that of
+    the trained `model`'s re-estimated statistics, the moving ones' metrics
+    beside it), and the record is committed in the order of
     `trainers.run_state`: `run.record` writes it into the history,
     `task.write_summaries` logs it inside `run.writer` at that step (a no-op
     writer off the chief) and the writer is flushed, then `run.save`
@@ -206,7 +233,7 @@ def train_and_log(run, task, loop, run_steps):
             "steps": step - interval_start,
             "seconds": time.time() - tick,
         }
-        record = task.evaluate(step, interval)
+        record = evaluate(task, loop, model, step, interval)
         run.record(record, step, time.time() - began)
         with run.writer.as_default(step=step):
             task.write_summaries(record, history)
@@ -217,3 +244,56 @@ def train_and_log(run, task, loop, run_steps):
         )
         logging.info("%s step %d/%d: %s", loop.name, step, loop.train_steps, metrics)
     return history
+
+
+def evaluate(task, loop, model, step, interval):
+    """The record of the evaluation at `step`, with the statistics `loop` chooses.
+
+    "moving": `task.evaluate`'s record. "precise": `task.evaluate` with the
+    moving statistics, then every keras_bn layer's statistics re-estimated
+    (`keras_bn.estimate_population_statistics`) on the first
+    `loop.precise_bn_batches` batches of `task.train_dataset(0)` and
+    `task.evaluate` again; the record is the second one, plus the first's
+    `task.statistics_metrics()` prefixed "moving_" and "precise_bn_seconds"
+    (the estimation's wall time). Every non-trainable variable of `model`
+    (BN statistics and counters, dropout's seed state the passes advance) is
+    put back as it was before the passes, so the moving statistics are what
+    is logged, checkpointed and trained on. A model without trainable
+    keras_bn layers has nothing to re-estimate: its "moving_" metrics are its
+    record's and "precise_bn_seconds" is 0.
+
+    On every engine the passes run eagerly in training mode over global
+    batches: under `tf.distribute` outside the replicas, so each pass's
+    statistics are those of the global batch (with per-replica BN in
+    training, of its replicas' examples pooled); under
+    `keras.distribution` the layer splits the batch as in training. Every
+    worker of a multi-worker run runs the same passes.
+    """
+    record = task.evaluate(step, interval)
+    if loop.eval_bn_statistics == "moving":
+        return record
+    moving = {f"moving_{key}": record[key] for key in task.statistics_metrics()}
+    if not any(layer.trainable for layer in population.batch_norm_layers(model)):
+        return {**record, **moving, "precise_bn_seconds": 0.0}
+    state = [v for v in model.variables if not v.trainable]
+    saved = _snapshot(state)
+    try:
+        tick = time.time()
+        keras_bn.estimate_population_statistics(
+            model, task.train_dataset(0), loop.precise_bn_batches
+        )
+        seconds = time.time() - tick
+        record = task.evaluate(step, interval)
+    finally:
+        for variable, value in zip(state, saved):
+            variable.assign(value)
+    return {**record, **moving, "precise_bn_seconds": seconds}
+
+
+def _snapshot(variables):
+    """Copies of `variables`' values, to assign back."""
+    if keras.backend.backend() == "jax":
+        # JAX arrays are immutable: the values themselves, in their layout
+        # (sharded, or spanning processes), are the copy.
+        return [v.value for v in variables]
+    return [keras.ops.convert_to_numpy(v) for v in variables]
