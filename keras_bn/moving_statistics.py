@@ -78,6 +78,8 @@ def update(rule, state, mean, variance, count, weight=1.0):
         A dict with the keys of `state` and the new values.
     """
     batch_variance = variance
+    # A count known before run time (a Python number) takes Python
+    # arithmetic where the result stays a number, sparing eager calls.
     static = isinstance(count, (int, float))
     if rule.unbiased_variance:
         # m/(m−1) for m > 1; a single value carries no spread to correct.
@@ -85,7 +87,7 @@ def update(rule, state, mean, variance, count, weight=1.0):
             variance = variance * (count / (count - 1.0) if count > 1 else 1.0)
         else:
             variance = variance * ops.where(count > 1.0, count / ops.maximum(count - 1.0, 1.0), 1.0)
-    if static:
+    if static and rule.momentum is not None and not rule.momentum_warmup:
         has_values = 1.0 if count > 0 else 0.0
     else:
         has_values = ops.cast(count > 0.0, mean.dtype)

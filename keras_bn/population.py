@@ -54,7 +54,10 @@ def estimate_population_statistics(model, dataset, num_batches):
     estimates are written.
     Layers with `momentum=None` also get `moving_batches` set to the number
     of batches seen, so later training continues the same average. The passes
-    run eagerly.
+    are compiled once per call on TensorFlow (`tf.function`) and JAX
+    (`jax.jit` of the model's `stateless_call`), and run eagerly on PyTorch:
+    eager TensorFlow took about 0.6 s per batch-32 pass of the miniature
+    BN-Inception on 2 CPU cores, most of it per-layer dispatch.
 
     Args:
         model: a Keras model containing `keras_bn.BatchNormalization` layers.
@@ -90,18 +93,19 @@ def estimate_population_statistics(model, dataset, num_batches):
     try:
         for layer in layers:
             layer.momentum = 0.0  # The moving statistics become the batch's.
+        training_pass = _training_pass(model)  # Traced after the momentum is 0.
         for batch in dataset:
             if seen == num_batches:
                 break
             inputs = batch[0] if isinstance(batch, tuple) else batch
             examples = float(keras.ops.shape(keras.tree.flatten(inputs)[0])[0])
-            model(inputs, training=True)
+            training_pass(inputs)
             for i, layer in enumerate(layers):
                 averages[i] = moving_statistics.update(
                     rule,
                     averages[i],
-                    np.asarray(layer.moving_mean, np.float64),
-                    np.asarray(layer.moving_variance, np.float64),
+                    _float64(layer.moving_mean),
+                    _float64(layer.moving_variance),
                     np.float64(1.0),
                     weight=examples,
                 )
@@ -126,3 +130,35 @@ def estimate_population_statistics(model, dataset, num_batches):
             layer.moving_batches.assign(float(seen))
         estimates[layer.path] = (mean, variance)
     return estimates
+
+
+def _training_pass(model):
+    """One training-mode forward pass of `model` on `inputs`, its variables updated."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(lambda inputs: model(inputs, training=True))
+    if backend == "jax":
+        import jax
+
+        @jax.jit
+        def new_state(trainable, non_trainable, inputs):
+            return model.stateless_call(trainable, non_trainable, inputs, training=True)[1]
+
+        def run(inputs):
+            values = new_state(
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                keras.tree.map_structure(np.asarray, inputs),  # E.g. tf.data's tensors.
+            )
+            for variable, value in zip(model.non_trainable_variables, values):
+                variable.assign(value)
+
+        return run
+    return lambda inputs: model(inputs, training=True)
+
+
+def _float64(variable):
+    """A variable's value as a float64 backend tensor (the rule mixes it with tensors)."""
+    return keras.ops.convert_to_tensor(np.asarray(variable, np.float64))

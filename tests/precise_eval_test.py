@@ -18,6 +18,7 @@ from absl.testing import flagsaver
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 
 from flags import training_flags as training_flags
 import keras_bn
@@ -247,6 +248,8 @@ def _run_in_subprocess(runs):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+# Slow: BN-Inception compiles for each run (over 3 minutes on JAX on 2 cores).
+@pytest.mark.slow
 class InceptionPreciseTest(absltest.TestCase):
     def test_fake_data_smoke(self):
         model_dir = tempfile.mkdtemp()
