@@ -319,7 +319,14 @@ def _all_config(**overrides):
 @pytest.mark.slow
 class RealDataTest(absltest.TestCase):
     def test_bn_x5_learns_fashion_mnist(self):
-        """A short BN-x5 run on the real Fashion-MNIST is far above chance (10%)."""
+        """A short BN-x5 run on the real Fashion-MNIST is far above chance (10%).
+
+        Deterministic (`--deterministic`, the default: the same top-1 at every
+        run on one machine and engine), evaluated with precise BN statistics:
+        at 300 steps the moving statistics (momentum 0.99) still lag the
+        network, and their top-1 spread over seeds was four times the precise
+        one (see REAL_DATA_TOP1_FLOOR).
+        """
         if not os.path.isdir(os.path.join(image_data_test.FASHION_MNIST_DIR, "fashion_mnist")):
             self.skipTest(f"No fashion_mnist under {image_data_test.FASHION_MNIST_DIR}")
         model_dir = tempfile.mkdtemp()
@@ -331,18 +338,28 @@ class RealDataTest(absltest.TestCase):
             model_dir=model_dir,
             image_size=32,
             batch_size=32,
+            width_multiplier=0.25,
             train_steps=SMOKE_STEPS,
             eval_every=SMOKE_STEPS,
-            eval_steps=16,
+            eval_steps=64,
+            eval_bn_statistics="precise",
+            precise_bn_batches=10,
         ):
             inception_bn.main(["inception_bn"])
         with open(os.path.join(model_dir, "summary.json")) as f:
             summary = json.load(f)
         self.assertEqual(summary["steps"], SMOKE_STEPS)
-        self.assertGreater(summary["best_top1"], 0.4)
+        self.assertIn("moving_top1", summary["final"])
+        self.assertGreater(summary["best_top1"], REAL_DATA_TOP1_FLOOR)
 
 
-SMOKE_STEPS = 250
+SMOKE_STEPS = 300
+# The test's command with --seed=0..4 (2026-12-05, 2-core AMD EPYC, TF 2.21.0, oneDNN on, at
+# commit ae84fbe) ended at precise top-1 0.613, 0.613, 0.670, 0.646, 0.654 (mean 0.639, std
+# 0.023); with the moving statistics 0.558, 0.497, 0.653, 0.536, 0.360 (std 0.095). The floor is
+# 0.16 under the lowest precise value, 8 standard deviations under the mean, so another
+# machine's rounding cannot cross it, while a network that does not learn (10%) fails.
+REAL_DATA_TOP1_FLOOR = 0.45
 
 
 if __name__ == "__main__":

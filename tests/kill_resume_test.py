@@ -7,8 +7,9 @@ first seconds; at a random moment; right after a checkpoint appears) and
 relaunched until a launch finishes. The killed
 run must end with the uninterrupted run's history.json, summary.json and
 TensorBoard points (each point once, scalar values equal), timings aside.
-The trainers' engine is the test process's Keras backend: the suite runs
-under TensorFlow, and again under `KERAS_BACKEND=jax` (`.ci/run`).
+The trainers' engine is the test process's Keras backend: CI runs both
+trainers under TensorFlow, and the MNIST one again under `KERAS_BACKEND=jax`
+(`.ci/run`; `-k inception` runs Inception's on JAX too).
 """
 
 import collections
