@@ -262,7 +262,7 @@ def evaluate(task, loop, model, step, interval):
     keras_bn layers has nothing to re-estimate: its "moving_" metrics are its
     record's and "precise_bn_seconds" is 0.
 
-    On every engine the passes run eagerly in training mode over global
+    On every engine the passes run in training mode over global
     batches: under `tf.distribute` outside the replicas, so each pass's
     statistics are those of the global batch (with per-replica BN in
     training, of its replicas' examples pooled); under
