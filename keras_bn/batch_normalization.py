@@ -267,8 +267,7 @@ class BatchNormalization(keras.layers.Layer):
         self._broadcast_shape = tuple(
             input_shape[i] if i in self._feature_axes else 1 for i in range(rank)
         )
-        # Created in Keras' order (its get_weights() lists fit set_weights()),
-        # this layer's own counters after them.
+        # Created in Keras' order (its get_weights() lists fit set_weights()), own counters last.
         if self.scale:
             self.gamma = self._parameter(
                 "gamma",
@@ -379,8 +378,8 @@ class BatchNormalization(keras.layers.Layer):
         )
         y, (count, mean, variance) = plan.normalize(
             x,
-            None if self.gamma is None else self.gamma.value,
-            None if self.beta is None else self.beta.value,
+            self.gamma,
+            self.beta,
             reduction_axes=self._reduction_axes,
             epsilon=self.epsilon,
             broadcast_shape=self._broadcast_shape,
@@ -574,8 +573,7 @@ class BatchNormalization(keras.layers.Layer):
         return config
 
 
-# Keras' weights in Keras' order (its numbered file keys), then this layer's
-# own state, saved by name.
+# Keras' weights in Keras' order (its numbered file keys), then this layer's state, by name.
 _KERAS_WEIGHTS = (
     "gamma",
     "beta",

@@ -136,8 +136,8 @@ class BatchPlan:
 
         Args:
             x: the input in the statistics' dtype, of the layer's rank.
-            gamma, beta: the scale and offset, per feature (`None`: 1 and
-                0), or already broadcastable to `x`.
+            gamma, beta: the scale and offset, per feature (variables or
+                tensors; `None`: 1 and 0), or already broadcastable to `x`.
             reduction_axes: the axes of `x` the statistics reduce.
             epsilon: the layer's ε.
             broadcast_shape: `x`'s rank with size 1 on the reduced axes, the
@@ -310,7 +310,9 @@ def _assert_divisible(x, size):
 
 
 def _per_feature(value):
-    """γ or β as a kernel takes it: a vector, or `None`."""
+    """γ or β as a kernel takes it: a vector (a variable's value), or `None`."""
+    if isinstance(value, keras.Variable):
+        value = value.value  # The backend's tensor, or JAX's traced value in a stateless call.
     if value is None or len(value.shape) == 1:
         return value
     return ops.reshape(value, (-1,))
