@@ -238,8 +238,10 @@ def plot_figure(runs, references, path):
     if references:
         ax.axhline(np.mean(references), color="gray", linestyle="--", linewidth=0.8)
     ax.set(xlabel="training step", ylabel="test top-1", ylim=(0.0, 1.0))
-    suffix = f"; mean, min–max over {seeds} seeds" if seeds > 1 else ""
-    ax.set_title(f"Test accuracy against steps (paper Figure 2, in miniature{suffix})")
+    title = "Test accuracy against steps (paper Figure 2, in miniature)"
+    if seeds > 1:  # A second line: one line is cut off at the figure's width.
+        title += f"\nmean over {seeds} seeds, min–max band"
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")  # Early steps: the lines are still low there.
     fig.tight_layout()
