@@ -92,9 +92,11 @@ def _positive_multipliers(value):
             "--lr_sweep takes finite multipliers > 0, comma-separated (e.g. 1,5,30,100). "
             f"Received: lr_sweep={','.join(value)}"
         )
-    if len(set(multipliers)) < len(multipliers):
+    # Runs are named lr_x<m> with m to 6 significant digits: equal names would share a run.
+    if len({f"{m:g}" for m in multipliers}) < len(multipliers):
         raise flags.ValidationError(
-            f"--lr_sweep names a multiplier twice. Received: lr_sweep={','.join(value)}"
+            "--lr_sweep names a multiplier twice (to 6 significant digits). "
+            f"Received: lr_sweep={','.join(value)}"
         )
     return True
 

@@ -137,7 +137,8 @@ class BatchPlan:
         Args:
             x: the input in the statistics' dtype, of the layer's rank.
             gamma, beta: the scale and offset, per feature (variables or
-                tensors; `None`: 1 and 0), or already broadcastable to `x`.
+                tensors; `None`, with `broadcast_shape`: 1 and 0), or already
+                broadcastable to `x`.
             reduction_axes: the axes of `x` the statistics reduce.
             epsilon: the layer's ε.
             broadcast_shape: `x`'s rank with size 1 on the reduced axes, the

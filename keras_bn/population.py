@@ -82,7 +82,8 @@ def estimate_population_statistics(model, dataset, num_batches):
         )
     saved = [[v.numpy() for v in layer.non_trainable_variables] for layer in layers]
     momenta = [layer.momentum for layer in layers]
-    # Each layer's running population average, in float64: the update rule's
+    # Each layer's running population average, in float64 (float32 on JAX
+    # without `jax_enable_x64`, ample over a few hundred batches): the rule's
     # cumulative mode with batch weights n_B (v_B arrives corrected already).
     rule = moving_statistics.Rule(momentum=None, unbiased_variance=False, epsilon=0.0)
     averages = [

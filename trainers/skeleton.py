@@ -202,7 +202,7 @@ def train_and_evaluate(task, loop, runner):
         return history
 
 
-def train_and_log(run, task, loop, run_steps, model=None):
+def train_and_log(run, task, loop, run_steps, model):
     """Trains from `run.start` to `loop.train_steps`, evaluating every `loop.eval_every` steps.
 
     Steps run in compiled chunks of at most `loop.steps_per_execution`
@@ -267,7 +267,13 @@ def evaluate(task, loop, model, step, interval):
     statistics are those of the global batch (with per-replica BN in
     training, of its replicas' examples pooled); under
     `keras.distribution` the layer splits the batch as in training. Every
-    worker of a multi-worker run runs the same passes.
+    worker of a multi-worker run runs the same passes. Under `tf.distribute`
+    the statistics are read, and put back, as their mean over the replicas
+    (what a checkpoint holds and a restore writes), so with per-replica BN
+    on several replicas each replica's moving statistics become that mean
+    after a precise evaluation: inference and checkpoints are unchanged, and
+    training is too, except with Batch Renormalization, whose per-replica
+    `renorm_mean`/`renorm_stddev` enter the training transform.
     """
     record = task.evaluate(step, interval)
     if loop.eval_bn_statistics == "moving":
