@@ -34,6 +34,8 @@ def setUpModule():
 SMOKE = dict(
     use_fake_data=True, image_size=32, train_steps=4, eval_every=2, eval_steps=1, batch_size=4
 )
+# For tests that train many runs (seeds, sweeps): one evaluation each, a 5%-wide network.
+MANY_RUNS_SMOKE = dict(SMOKE, train_steps=2, width_multiplier=0.05)
 
 
 def _smoke(model_dir, **overrides):

@@ -12,6 +12,7 @@ import pytest
 
 from tests import flag_state
 from tests import image_data_test
+from tests import inception_bn_test
 from tests import tensorboard_events
 from trainers import inception_bn
 from trainers import inception_recipes
@@ -282,14 +283,8 @@ class SeedsSmokeTest(absltest.TestCase):
             inception_bn,
             variant="all",
             num_seeds=2,
-            use_fake_data=True,
-            image_size=32,
-            width_multiplier=0.05,
-            batch_size=4,
-            train_steps=2,
-            eval_every=2,
-            eval_steps=1,
             model_dir=model_dir,
+            **inception_bn_test.MANY_RUNS_SMOKE,
         ):
             inception_bn.main(["inception_bn"])
         for variant in inception_recipes.TABLE2_VARIANTS:

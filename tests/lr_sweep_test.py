@@ -16,6 +16,7 @@ import tensorflow_datasets as tfds
 from flags import training_flags as training_flags
 from tests import data_dirs
 from tests import flag_state
+from tests import inception_bn_test
 from tests import tensorboard_events
 from trainers import inception_bn
 from trainers import lr_sweep
@@ -203,14 +204,8 @@ class InceptionSweepTest(absltest.TestCase):
         with flag_state.trainer_flags(
             inception_bn,
             lr_sweep=["2"],
-            use_fake_data=True,
-            image_size=32,
-            width_multiplier=0.05,
-            batch_size=4,
-            train_steps=2,
-            eval_every=2,
-            eval_steps=1,
             model_dir=model_dir,
+            **inception_bn_test.MANY_RUNS_SMOKE,
         ):
             inception_bn.main(["inception_bn"])
         results = _check_outputs(self, model_dir)

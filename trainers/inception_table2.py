@@ -98,8 +98,15 @@ def _percent(value):
     return "—" if value is None else f"{100 * value:.1f}%"
 
 
-def _count(value, scale=1):
-    return "—" if value is None else f"{value / scale:g}"
+def _count(value):
+    return "—" if value is None else f"{value:g}"
+
+
+def _paper_cells(paper):
+    """The tables' last two cells: the paper's steps to 72.2% (in millions) and max top-1."""
+    steps = paper["steps_to_72.2%"]
+    steps = "—" if steps is None else f"{steps / 1e6:g}·10⁶"
+    return f"| {steps} | {_percent(paper['max_accuracy'])} |"
 
 
 def markdown(table):
@@ -110,12 +117,11 @@ def markdown(table):
         "|---|---|---|---|---|",
     ]
     for variant, row in table["rows"].items():
-        paper = row["paper"]
         lines.append(
             f"| {variant} | {_count(row['steps_to_reference'])} | {_percent(row['max_top1'])} "
-            f"| {_count(paper['steps_to_72.2%'], 1e6)}·10⁶ | {_percent(paper['max_accuracy'])} |"
+            + _paper_cells(row["paper"])
         )
-    return "\n".join(lines).replace("| —·10⁶ |", "| — |") + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def spread(values):
@@ -200,13 +206,12 @@ def markdown_over_seeds(summary):
         "|---|---|---|---|---|---|---|",
     ]
     for variant, row in summary["rows"].items():
-        paper = row["paper"]
         lines.append(
             f"| {variant} | {row['seeds']} | {_spread_text(row['steps_to_reference'], steps)} "
             f"| {row['never_reached']} | {_spread_text(row['max_top1'], percent)} "
-            f"| {_count(paper['steps_to_72.2%'], 1e6)}·10⁶ | {_percent(paper['max_accuracy'])} |"
+            + _paper_cells(row["paper"])
         )
-    return "\n".join(lines).replace("| —·10⁶ |", "| — |") + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _mean_and_band(evals_per_seed):
