@@ -7,7 +7,7 @@ masks, `momentum=None` and `unbiased_variance`; the training output and the
 moving statistics match float64 NumPy references; gradients match finite
 differences; TensorFlow is not imported unless the backend is TensorFlow;
 ghost batches match the float64 reference; `synchronized=True` on PyTorch
-raises an error naming the backend (JAX's is tested in
+is refused at construction, naming the backend (JAX's is tested in
 `jax_distribution_test.py`).
 """
 
@@ -249,12 +249,36 @@ class BackendTest(parameterized.TestCase):
             np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(getattr(plain, name)))
             self.assertTrue(np.all(np.isfinite(a)))
 
+    @parameterized.named_parameters(
+        ("halves", [0.0, 0.5, 1.0], "float32"),
+        ("signs", [-1.0, 1.0], "float32"),
+        ("integers", [0, 3], "int32"),
+    )
+    def test_a_mask_counts_where_it_is_not_zero(self, values, dtype):
+        # Keras' meaning: a value counts where mask != 0, whatever its dtype.
+        rng = np.random.RandomState(5)
+        x = _data((6, 4, 3), 9)
+        mask = rng.choice(values, size=(6, 4)).astype(dtype)
+        mask[0, 0] = values[-1]  # At least one value counts.
+        outputs = []
+        for given in (mask, mask != 0):
+            layer = keras_bn.BatchNormalization(momentum=0.5)
+            y = keras.ops.convert_to_numpy(layer(x, training=True, mask=given))
+            outputs.append((y, keras.ops.convert_to_numpy(layer.moving_mean)))
+        np.testing.assert_array_equal(outputs[0][0], outputs[1][0])
+        np.testing.assert_array_equal(outputs[0][1], outputs[1][1])
+        self.assertTrue(np.all(np.isfinite(outputs[0][0])))
+
     def test_synchronized_needs_a_distribution_engine(self):
         if BACKEND in ("tensorflow", "jax"):
             self.skipTest(f"synchronized=True is supported on {BACKEND} (its own tests)")
-        layer = keras_bn.BatchNormalization(synchronized=True)
-        with self.assertRaisesRegex(ValueError, f"not supported on the {BACKEND} backend"):
-            layer(np.ones((4, 3), np.float32), training=True)
+        # Refused at construction, as Keras' layer refuses it, and so by the conversion.
+        message = f"not supported on the {BACKEND} backend. Received: synchronized=True"
+        with self.assertRaisesRegex(ValueError, message):
+            keras_bn.BatchNormalization(synchronized=True)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
+        with self.assertRaisesRegex(ValueError, message):
+            keras_bn.convert_batch_norm(model, synchronized=True)
 
 
 def _input_gradient(loss_fn, x):

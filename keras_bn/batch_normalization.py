@@ -42,8 +42,10 @@ class BatchNormalization(keras.layers.Layer):
     v_B = σ²_B by default (as Keras), or m/(m−1)·σ²_B, the paper's unbiased
     estimate, with `unbiased_variance=True`; m counts the values behind a
     statistic (N·H·W for conv maps; the global m under synchronisation).
-    A batch with no values for a feature leaves that feature's statistics
-    unchanged.
+    A batch with one value per feature or none (m ≤ 1: a `fit` whose last
+    batch holds one example, say) leaves that feature's statistics
+    unchanged: one value says nothing about the variance. Its output is β
+    (x − μ_B = 0), as in Keras' layer, and it never raises.
 
     Non-finite batches. One batch that overflows (e.g. under `mixed_float16`,
     where the loss-scale optimizer then skips the step) would otherwise put
@@ -54,7 +56,8 @@ class BatchNormalization(keras.layers.Layer):
     update, not per feature). The batch's own output is not altered: its
     loss is non-finite as it would be anyway. With
     `count_skipped_updates=True` the layer also counts the skips in the
-    non-trainable weight `skipped_updates` (logged by `BatchNormMonitor`).
+    non-trainable weight `skipped_updates` (logged by `BatchNormMonitor`),
+    and with them the batches of m ≤ 1 that moved no statistic.
 
     Weight files. By default the layer holds exactly Keras' weights in
     Keras' order, so weight files and `get_weights()` lists move between it
@@ -100,6 +103,8 @@ class BatchNormalization(keras.layers.Layer):
 
     Backends. Everything runs on every Keras 3 backend but `synchronized`
     (TensorFlow, JAX). `trainable=False` means inference mode, as in Keras.
+    Derivatives of every order (nested tapes, `jax.grad` of `jax.grad`,
+    `jax.jvp`, `create_graph=True`) go through the batch statistics.
 
     Args:
         axis: int or list/tuple of ints, default -1. The feature axes, which
@@ -154,8 +159,9 @@ class BatchNormalization(keras.layers.Layer):
         training: bool. True normalises with batch statistics and updates
             the moving statistics; False or `None` uses the moving
             statistics.
-        mask: optional boolean tensor of the inputs' rank minus one, which
-            broadcasts over their last axis (Keras' convention). Masked-out
+        mask: optional tensor of the inputs' rank minus one, of any dtype,
+            which broadcasts over their last axis (Keras' convention); a
+            value counts where the mask is non-zero, as in Keras. Masked-out
             values do not count towards the batch statistics; a fully
             masked feature keeps its moving statistics. Masked-out values,
             NaN or inf included, reach neither the statistics nor any
@@ -166,9 +172,9 @@ class BatchNormalization(keras.layers.Layer):
 
     Raises:
         ValueError: for an invalid argument; at build for an axis out of
-            range or an undefined feature dimension; in training for m = 1
-            (when static), a mask of the wrong shape, `synchronized=True` on
-            PyTorch, a `sync_group_size`, `virtual_batch_size` or
+            range or an undefined feature dimension; for `synchronized=True`
+            on PyTorch (at construction, as Keras' layer refuses it); in
+            training for a mask of the wrong shape, a `sync_group_size`, `virtual_batch_size` or
             (`keras.distribution`) replica count that does not divide, and
             `fused=True` where no kernel runs the call; when loading a file
             of other weights.
@@ -223,7 +229,7 @@ class BatchNormalization(keras.layers.Layer):
         self.center = validation.boolean("center", center)
         self.scale = validation.boolean("scale", scale)
         self.unbiased_variance = validation.boolean("unbiased_variance", unbiased_variance)
-        self.synchronized = validation.boolean("synchronized", synchronized)
+        self.synchronized = validation.synchronized(synchronized)
         self.sync_group_size = validation.sync_group_size(sync_group_size, synchronized)
         self.virtual_batch_size = validation.virtual_batch_size(virtual_batch_size, synchronized)
         self.renorm = validation.boolean("renorm", renorm)
@@ -366,8 +372,6 @@ class BatchNormalization(keras.layers.Layer):
         if not (training and self.trainable):
             return self._output(self._infer(x))
         weights = self._mask_weights(x, mask)
-        if weights is None:
-            self._check_static_count(x.shape)
         plan = batch_plan.make_plan(
             batch_plan.current_context(self.synchronized),
             x.shape[0],
@@ -427,6 +431,10 @@ class BatchNormalization(keras.layers.Layer):
             momentum_warmup=self.momentum_warmup,
         )
         state = {v.name: v for v in self.non_trainable_variables}
+        # The batch moments carry their gradient (for derivatives of the
+        # output); the state takes values only, so that a layer called under
+        # `jax.grad` assigns concrete arrays, not the transformation's tracers.
+        mean, variance = ops.stop_gradient(mean), ops.stop_gradient(variance)
         shape = self.moving_mean.shape
         if tuple(mean.shape) != tuple(shape):
             mean, variance = ops.reshape(mean, shape), ops.reshape(variance, shape)
@@ -464,6 +472,10 @@ class BatchNormalization(keras.layers.Layer):
                 "axis, size-1 dimensions broadcasting). "
                 f"Received: mask.shape={tuple(mask.shape)}, inputs.shape={tuple(x.shape)}"
             )
+        # Keras' meaning for a mask of any dtype: a value counts where it is non-zero.
+        mask = ops.convert_to_tensor(mask)
+        if keras.backend.standardize_dtype(mask.dtype) != "bool":
+            mask = ops.not_equal(mask, ops.zeros_like(mask))
         return ops.expand_dims(ops.cast(mask, x.dtype), -1)
 
     def _renorm_correction(self, mean, variance):
@@ -486,20 +498,6 @@ class BatchNormalization(keras.layers.Layer):
         if "dmax" in clipping:
             d = ops.clip(d, -clipping["dmax"], clipping["dmax"])
         return ops.stop_gradient(r), ops.stop_gradient(d)
-
-    def _check_static_count(self, shape):
-        count = 1
-        for axis in self._reduction_axes:
-            if shape[axis] is None:
-                return
-            count *= shape[axis]
-        if count == 1:
-            raise ValueError(
-                "Training-mode batch statistics would be over a single value "
-                "per feature (m=1), which makes every output β. Use a larger "
-                "batch or training=False. "
-                f"Received: inputs.shape={tuple(shape)}"
-            )
 
     def save_own_variables(self, store):
         """Saves Keras' weights under Keras' numbered keys, this layer's own state by name."""

@@ -227,7 +227,8 @@ class MovingStatisticsTest(parameterized.TestCase):
         )
         self.assertTrue(np.all(np.isfinite(step(_random((1, 3), 0)))))
         self.assertEqual(step(np.zeros((0, 3), np.float32)).shape, (0, 3))
-        self.assertEqual(float(layer.moving_batches), 1.0)
+        # Neither a single value per feature nor none moves the average.
+        self.assertEqual(float(layer.moving_batches), 0.0)
         for v in layer.non_trainable_variables:
             self.assertTrue(np.all(np.isfinite(v.numpy())))
 
@@ -574,9 +575,22 @@ class ValidationTest(parameterized.TestCase):
         np.testing.assert_allclose(layer(x, training=True), expected, rtol=1e-5, atol=1e-5)
         self.assertEqual(keras.backend.standardize_dtype(layer(x).dtype), "float32")
 
-    def test_static_single_value_training_batch(self):
-        with self.assertRaisesRegex(ValueError, r"m=1.*Received: inputs.shape=\(1, 3\)"):
-            BatchNormalization()(np.ones((1, 3), np.float32), training=True)
+    @parameterized.named_parameters(("momentum", 0.9), ("cumulative", None))
+    def test_single_value_batch_gives_beta_and_moves_nothing(self, momentum):
+        layer = BatchNormalization(
+            momentum=momentum, count_skipped_updates=True, beta_initializer="ones"
+        )
+        keras_layer = keras.layers.BatchNormalization(momentum=0.9, beta_initializer="ones")
+        x = tf.constant(_random((1, 3), 7) * 5.0)
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            y, keras_y = layer(x, training=True), keras_layer(x, training=True)
+        np.testing.assert_array_equal(y, np.ones((1, 3), np.float32))
+        np.testing.assert_array_equal(y, keras_y)
+        np.testing.assert_allclose(tape.gradient(y, x), tape.gradient(keras_y, x), atol=1e-6)
+        np.testing.assert_array_equal(layer.moving_mean, np.zeros(3, np.float32))
+        np.testing.assert_array_equal(layer.moving_variance, np.ones(3, np.float32))
+        self.assertEqual(float(layer.skipped_updates), 1.0)
 
     @parameterized.named_parameters(
         ("rank", (2, 5, 3)),

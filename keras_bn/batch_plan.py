@@ -62,20 +62,13 @@ class EngineContext:
 def current_context(synchronized):
     """The `EngineContext` of the current call, looked up once per engine.
 
-    Raises:
-        ValueError: for `synchronized=True` on a backend other than
-            TensorFlow and JAX.
+    `synchronized=True` reaches here only on TensorFlow and JAX (the layer
+    refuses it elsewhere at construction).
     """
-    backend = keras.backend.backend()
-    if backend == "jax":
+    if keras.backend.backend() == "jax":
         return EngineContext(mesh_replicas=_mesh_replicas())
     if not synchronized:
         return EngineContext()
-    if backend != "tensorflow":
-        raise ValueError(
-            "synchronized=True needs TensorFlow's tf.distribute or JAX's keras.distribution "
-            f"and is not supported on the {backend} backend. Received: synchronized=True"
-        )
     import tensorflow as tf  # Only the synchronised path needs it.
 
     return EngineContext(replica_context=tf.distribute.get_replica_context())
@@ -227,13 +220,15 @@ class BatchPlan:
         if not self.sliced:
             return count, mean, variance
         if len(count.shape) == 0:
-            # Equal slices (no mask): plain means, m = the slice's count.
-            return count, ops.mean(mean, axis=0), ops.mean(variance, axis=0)
+            # Equal slices (no mask): plain means (a sum over S, exact in
+            # float64), m = the slice's count.
+            slices = ops.cast(ops.shape(mean)[0], mean.dtype)
+            return count, ops.sum(mean, axis=0) / slices, ops.sum(variance, axis=0) / slices
         total = ops.sum(count, axis=0)
         nonempty = ops.sum(ops.cast(count > 0.0, count.dtype), axis=0)
-        pooled_mean = ops.divide_no_nan(ops.sum(count * mean, axis=0), total)
-        pooled_variance = ops.divide_no_nan(ops.sum(count * variance, axis=0), total)
-        return ops.divide_no_nan(total, nonempty), pooled_mean, pooled_variance
+        pooled_mean = moments.over_count(ops.sum(count * mean, axis=0), total)
+        pooled_variance = moments.over_count(ops.sum(count * variance, axis=0), total)
+        return moments.over_count(total, nonempty), pooled_mean, pooled_variance
 
 
 def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size):

@@ -30,6 +30,10 @@ the running variance it writes with momentum 1); the kernel here undoes the
 correction, so the moving-statistics update rule sees the same biased σ²_B as
 on the general path and applies `unbiased_variance` itself.
 
+A static batch of one value per feature (m = 1) takes the general path
+whatever `fused` says: its output is β either way, and PyTorch's kernel
+raises on it.
+
 TensorFlow's oneDNN kernels are on by default only on some CPUs (and off with
 `TF_ENABLE_ONEDNN_OPTS=0`); without them its CPU fused kernel was no faster
 than the general path at some shapes and slower at others, so the rule keeps
@@ -73,7 +77,9 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
     Raises:
         ValueError: with `fused=True` when no fused kernel can run the call.
     """
-    if fused is False:
+    if fused is False or _single_value(x):
+        # One value per feature: y = β on the general path, the kernels'
+        # meaning too (PyTorch's raises on it, even for fused=True).
         return None
     reason = _unsupported(x, reduction_axes, epsilon, plain, training)
     if reason is None and fused is None and not _faster_here(x):
@@ -86,6 +92,12 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
             "choose automatically. Received: fused=True"
         )
     return None
+
+
+def _single_value(x):
+    """Whether `x` holds a single value per feature of its last axis (static shapes only)."""
+    leading = x.shape[:-1]
+    return None not in leading and math.prod(leading) == 1
 
 
 def _unsupported(x, reduction_axes, epsilon, plain, training):
@@ -215,7 +227,7 @@ def _value(value):
 
 
 def _unbias(variance, count):
-    """σ²_B from a kernel's m/(m−1)·σ²_B (m = 1 is refused before it runs).
+    """σ²_B from a kernel's m/(m−1)·σ²_B (a static m = 1 takes the general path).
 
     `count` is a Python number when the shape is static (one multiply), else
     a tensor.

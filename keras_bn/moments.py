@@ -10,8 +10,19 @@ Nothing here imports TensorFlow: a replica context is passed in
 (`batch_plan.current_context` looks it up).
 """
 
-import keras
 from keras import ops
+
+
+def over_count(total, count):
+    """`total / count`, 0 where `count` is 0 (an empty batch, whose total is 0).
+
+    `ops.divide_no_nan` would do, but Keras' PyTorch version returns float32
+    for float64 inputs. A count that is a number (NumPy's too) divides as
+    one: a tensor made of it would be float32.
+    """
+    if isinstance(count, (int, float)):
+        return total / count if count > 0 else total * 0.0
+    return total / ops.where(count > 0.0, count, ops.ones_like(count))
 
 
 def local_moments(x, axes, weights=None):
@@ -37,20 +48,14 @@ def local_moments(x, axes, weights=None):
         for axis in axes:
             count = count * shape[axis]
         count = ops.cast(count, x.dtype)
-        has_values = count > 0.0
-        if keras.backend.backend() == "tensorflow":
-            # Two-pass moments (fused squared difference); an empty batch
-            # yields NaN there, replaced by zeros.
-            mean, variance = ops.moments(x, axes, keepdims=True)
-            m2 = variance * count
-        else:
-            # Two passes written out: Keras' JAX moments computes the mean
-            # twice (mean and var), which under keras.distribution costs one
-            # more all-reduce of C floats for synchronised statistics.
-            mean = ops.mean(x, axis=axes, keepdims=True)
-            m2 = ops.sum(ops.square(x - mean), axis=axes, keepdims=True)
-        mean = ops.where(has_values, mean, 0.0)
-        m2 = ops.where(has_values, m2, 0.0)
+        # Two passes written out, each a plain sum: Keras' `moments` computes
+        # the mean twice on JAX (one more all-reduce of C floats for
+        # synchronised statistics under keras.distribution) and TensorFlow's
+        # holds μ out of the variance's gradient (a wrong third derivative);
+        # `ops.mean` accumulates a float64 input in float32 on JAX and
+        # PyTorch. An empty batch gives zeros (0 / 0 is 0 here).
+        mean = over_count(ops.sum(x, axis=axes, keepdims=True), count)
+        m2 = ops.sum(ops.square(x - mean), axis=axes, keepdims=True)
     else:
         # The count of each statistic: per feature when the mask varies
         # across features (a mask over the feature axis), else one value.
@@ -59,13 +64,13 @@ def local_moments(x, axes, weights=None):
         count = ops.sum(ops.broadcast_to(weights, count_shape), axis=axes, keepdims=True)
         # A select, not a product: a masked-out NaN or inf times 0 is NaN.
         x = ops.where(weights > 0.0, x, 0.0)
-        mean = ops.divide_no_nan(ops.sum(x * weights, axis=axes, keepdims=True), count)
+        mean = over_count(ops.sum(x * weights, axis=axes, keepdims=True), count)
         m2 = ops.sum(ops.square(x - mean) * weights, axis=axes, keepdims=True)
     return count, mean, m2
 
 
 def batch_moments(x, axes, weights=None, groups=None):
-    """Returns `(count, mean, variance)` of `x` over `axes`, without gradient.
+    """Returns `(count, mean, variance)` of `x` over `axes`.
 
     Args:
         x: float input (float32 or float64, the statistics' dtype).
@@ -77,12 +82,15 @@ def batch_moments(x, axes, weights=None, groups=None):
     Returns:
         `count` (the values each statistic is over: size 1 on every axis, or
         per feature when a mask varies across features), and the mean and
-        biased variance with size 1 on `axes`.
+        biased variance with size 1 on `axes`. The mean and variance are
+        differentiable functions of `x`: a first-order step never
+        differentiates them (`normalize` holds their part of the gradient),
+        but a second derivative does.
     """
-    count, mean, m2 = local_moments(ops.stop_gradient(x), axes, weights)
+    count, mean, m2 = local_moments(x, axes, weights)
     if groups is not None:
         count, mean, m2 = groups.moments(count, mean, m2)
-    return count, mean, ops.divide_no_nan(m2, count)
+    return count, mean, over_count(m2, count)
 
 
 class ReplicaGroups:
@@ -162,7 +170,7 @@ class ReplicaGroups:
             return self._packed_moments(count, mean, m2)
         # Pass 1: the count-weighted mean, n = Σ n_r, μ̃ = Σ n_r μ_r / n.
         total, weighted = self.sum([count, count * mean])
-        approx_mean = ops.divide_no_nan(weighted, total)
+        approx_mean = over_count(weighted, total)
         shift = mean - approx_mean
         if self.num_groups > 1:
             # Pass 2: M2 = Σ (m2_r + n_r (μ_r − μ̃)²), exact for μ̃ = μ. In a
@@ -176,7 +184,7 @@ class ReplicaGroups:
         # s = Σ n_r (μ_r − μ̃) = n (μ − μ̃) (a sum of small terms):
         #   μ = μ̃ + s / n,   M2 = Σ (m2_r + n_r (μ_r − μ̃)²) − s² / n.
         residual, shifted_m2 = self.sum([count * shift, m2 + count * ops.square(shift)])
-        correction = ops.divide_no_nan(residual, total)
+        correction = over_count(residual, total)
         global_m2 = ops.maximum(shifted_m2 - residual * correction, 0.0)
         return total, approx_mean + correction, global_m2
 
@@ -198,7 +206,7 @@ class ReplicaGroups:
         means = rows[:, count_size : count_size + channels]
         m2s = rows[:, count_size + channels :]
         total = ops.sum(counts, axis=0)
-        global_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
+        global_mean = over_count(ops.sum(counts * means, axis=0), total)
         global_m2 = ops.sum(m2s, axis=0) + ops.sum(counts * ops.square(means - global_mean), axis=0)
         return (
             ops.reshape(total, ops.shape(count)),

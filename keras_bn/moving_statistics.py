@@ -10,6 +10,8 @@ import dataclasses
 
 from keras import ops
 
+from keras_bn import moments
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -47,9 +49,10 @@ def update(rule, state, mean, variance, count, weight=1.0):
     s ← s·momentum + b·(1 − momentum); with `momentum=None` as the exact
     running average s ← s + (b − s)·w / W, where W = `moving_batches` + w
     accumulates the batches' weights w (1 each in training). Features with
-    no values in the batch (count 0) keep their statistics; the cumulative
-    weight advances if any feature had values. With renorm the inference
-    variance tracks the standard deviation: `moving_stddev` averages √(v + ε)
+    one value or none in the batch (count ≤ 1: no spread to measure) keep
+    their statistics; the cumulative weight advances if any feature moved.
+    With renorm the inference variance tracks the standard deviation:
+    `moving_stddev` averages √(v + ε)
     and `moving_variance` = moving_stddev² − ε (at least 0); `renorm_mean`
     and `renorm_stddev` average μ_B and √(σ²_B + ε) with `renorm_momentum`.
 
@@ -59,7 +62,7 @@ def update(rule, state, mean, variance, count, weight=1.0):
     `rule.skip_nonfinite` a batch whose mean or variance holds a non-finite
     value in any feature leaves the whole state unchanged (counts, warm-up
     step and renorm statistics included); with `rule.count_skipped` it adds 1
-    to "skipped_updates".
+    to "skipped_updates", as does a batch that moved no feature (count ≤ 1).
 
     Args:
         rule: the `Rule`.
@@ -87,20 +90,25 @@ def update(rule, state, mean, variance, count, weight=1.0):
             variance = variance * (count / (count - 1.0) if count > 1 else 1.0)
         else:
             variance = variance * ops.where(count > 1.0, count / ops.maximum(count - 1.0, 1.0), 1.0)
-    if static and rule.momentum is not None and not rule.momentum_warmup:
-        has_values = 1.0 if count > 0 else 0.0
+    # A feature with one value (m = 1) or none says nothing about its
+    # variance: its statistics stay as they were.
+    if static:
+        # Python arithmetic, also for torch.compile's symbolic sizes: a
+        # SymBool from `count > 1` converts to no tensor.
+        has_values = 1.0 if count > 1 else 0.0
     else:
-        has_values = ops.cast(count > 0.0, mean.dtype)
+        has_values = ops.cast(count > 1.0, mean.dtype)
+    moved = has_values if static else ops.max(has_values)  # Whether any feature moves.
     new = {}
     if rule.momentum is None:
-        batches = state["moving_batches"] + weight * ops.max(has_values)
-        rate = ops.divide_no_nan(weight * has_values, batches)
+        batches = state["moving_batches"] + weight * moved
+        rate = moments.over_count(weight * has_values, batches)
         new["moving_batches"] = batches
     elif rule.momentum_warmup:
         step = state["num_updates"]
         momentum = ops.minimum(rule.momentum, (1.0 + step) / (10.0 + step))
         rate = (1.0 - momentum) * has_values
-        new["num_updates"] = step + ops.max(has_values)
+        new["num_updates"] = step + moved
     else:
         rate = (1.0 - rule.momentum) * has_values
 
@@ -123,5 +131,6 @@ def update(rule, state, mean, variance, count, weight=1.0):
     finite = ops.all(ops.isfinite(ops.concatenate([mean, variance])))
     kept = {name: ops.where(finite, value, state[name]) for name, value in new.items()}
     if rule.count_skipped:
-        kept["skipped_updates"] = state["skipped_updates"] + 1.0 - ops.cast(finite, mean.dtype)
+        updated = ops.logical_and(finite, moved > 0.0)
+        kept["skipped_updates"] = state["skipped_updates"] + 1.0 - ops.cast(updated, mean.dtype)
     return kept

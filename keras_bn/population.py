@@ -107,7 +107,9 @@ def estimate_population_statistics(model, dataset, num_batches):
                     averages[i],
                     _float64(layer.moving_mean),
                     _float64(layer.moving_variance),
-                    np.float64(1.0),
+                    # The rule skips a count of 1: a batch of one example,
+                    # which a layer over (N, C) inputs does not move for.
+                    np.float64(examples),
                     weight=examples,
                 )
             seen += 1

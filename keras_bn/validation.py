@@ -6,6 +6,8 @@ message ends in `Received: name=value`, as Keras' own layers do.
 
 import numbers
 
+import keras
+
 
 def boolean(name, value):
     """`value` if it is a bool."""
@@ -116,6 +118,18 @@ def renorm_clipping(clipping, renorm):
             f"Received: renorm_clipping={clipping!r}"
         )
     return clipping
+
+
+def synchronized(value):
+    """Whether moments are synchronised: a bool, `True` only where an engine merges them."""
+    value = boolean("synchronized", value)
+    backend = keras.backend.backend()
+    if value and backend not in ("tensorflow", "jax"):
+        raise ValueError(
+            "synchronized=True needs TensorFlow's tf.distribute or JAX's keras.distribution "
+            f"and is not supported on the {backend} backend. Received: synchronized=True"
+        )
+    return value
 
 
 def sync_group_size(value, synchronized):
