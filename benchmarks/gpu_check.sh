@@ -6,7 +6,9 @@
 #     bash benchmarks/gpu_check.sh
 # With one physical GPU it splits GPU 0 into 2 logical GPUs (--num_gpu_devices)
 # so the synchronised runs have 2 replicas. It runs the comparison with the
-# fused kernels (benchmarks/kernel_speed.py, TensorFlow), the layer benchmark, the
+# fused kernels (benchmarks/kernel_speed.py, TensorFlow, float32 and the mixed
+# policies, channels-last and channels-first), the whole-model benchmark
+# (benchmarks/model_speed.py, ResNet-50, TensorFlow), the layer benchmark, the
 # sync benchmark and a 20-step Inception smoke under MirroredStrategy with
 # --sync_batch_norm (without --jit_compile: the trainer refuses that pair under
 # mirrored, see README) and with --jit_compile on local moments, then prints one
@@ -37,7 +39,11 @@ run() {  # name, timeout seconds, command...
   echo "$name|$?|$((SECONDS - start))" >>"$out/status.txt"
 }
 
-run kernel_speed 300 python -m benchmarks.kernel_speed --engines=tensorflow --rounds=5
+run kernel_speed 300 python -m benchmarks.kernel_speed --engines=tensorflow --rounds=5 \
+  --shapes=64x28x28x64,32x14x14x256 --policies=float32 --policies=mixed_bfloat16 \
+  --policies=mixed_float16 --layouts=channels_last --layouts=channels_first
+run model_speed 240 python -m benchmarks.model_speed --engines=tensorflow --rounds=3 \
+  --policies=float32 --policies=mixed_float16
 run layer_speed 90 python -m benchmarks.layer_speed --rounds 5
 run layer_speed_xla 90 python -m benchmarks.layer_speed --rounds 5 --jit_compile
 run sync_speed 90 python -m benchmarks.sync_speed --device=GPU --replicas=2 --rounds 7
@@ -55,7 +61,9 @@ while IFS='|' read -r name code seconds; do
                              | awk '{s=""; for (i = 1; i <= NF - 5; i++) s = s $i; printf "%s ratio %s; ", s, $(NF - 2)}') ;;
     sync_speed) result=$(grep -E 'ratio' "$out/$name.log" | tail -1) ;;
     kernel_speed) result=$(grep -E '^tensorflow .* keras_bn  ' "$out/$name.log" \
-                             | awk '{printf "%s %s; ", $2, $(NF - 2)}') ;;
+                             | awk '{printf "%s %s %s %s; ", $2, $3, $4, $(NF - 2)}') ;;
+    model_speed) result=$(grep -E '^tensorflow ' "$out/$name.log" \
+                            | awk '{printf "%s %s %s; ", $2, $3, $(NF - 1)}') ;;
     inception*) result=$(python -c "import json,sys; s=json.load(open(sys.argv[1])); f=s['final']; print(f\"loss {f['loss']:.3f}, {f['images_per_sec']:.1f} images/s\")" "$out/${name#inception_}/summary.json" 2>/dev/null \
                           || echo "no summary") ;;
   esac

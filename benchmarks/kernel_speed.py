@@ -31,9 +31,14 @@ tensor passes of the input's size: training 8 (moments read x; normalise
 reads x, writes y; backward sums read x and dy; dx reads x, dy, writes
 dx), inference 2 (read x, write y).
 
+Dtype policies (`--policies`) give the input in the policy's compute dtype
+(the raw kernels take it with float32 statistics); `--layouts=channels_first`
+runs each 4-D shape (given NHWC) as NCHW with `axis=1`.
+
 Run:
     python -m benchmarks.kernel_speed                 # every engine, default shapes
     python -m benchmarks.kernel_speed --engines=torch --shapes=64x28x28x64
+    python -m benchmarks.kernel_speed --policies=mixed_bfloat16 --layouts=channels_first
 """
 
 import json
@@ -62,6 +67,18 @@ _SHAPES = flags.DEFINE_list(
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Paired rounds.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Steps per timed sample.", lower_bound=1)
 _MODES = flags.DEFINE_list("modes", ["training", "inference"], "training and/or inference.")
+_POLICIES = flags.DEFINE_multi_enum(
+    "policies",
+    ["float32"],
+    ["float32", "mixed_bfloat16", "mixed_float16"],
+    "Keras dtype policies: the input in its compute dtype, statistics in float32.",
+)
+_LAYOUTS = flags.DEFINE_multi_enum(
+    "layouts",
+    ["channels_last"],
+    ["channels_last", "channels_first"],
+    "Where the features are: last, or second (4-D shapes only, given NHWC and run as NCHW).",
+)
 
 TRAINING_PASSES, INFERENCE_PASSES = 8, 2
 
@@ -83,15 +100,27 @@ def _arrays(shape):
     return (rng.randn(*shape) * 2 + 1).astype(np.float32), rng.randn(*shape).astype(np.float32)
 
 
-def tensorflow_steps(shape, mode):
+def _compute_dtype(policy):
+    return {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(policy, "float32")
+
+
+def _layer_kwargs(policy, layout):
+    return {"dtype": policy, "axis": 1 if layout == "channels_first" else -1}
+
+
+def tensorflow_steps(shape, mode, policy, layout):
     import keras
     import tensorflow as tf
 
     import keras_bn
 
     x_np, w_np = _arrays(shape)
-    x, w = tf.constant(x_np), tf.constant(w_np)
-    channels = shape[-1]
+    dtype = _compute_dtype(policy)
+    x, w = tf.constant(x_np, dtype=dtype), tf.constant(w_np, dtype=dtype)
+    first = layout == "channels_first"
+    channels = shape[1] if first else shape[-1]
+    data_format = "NCHW" if first else "NHWC"
+    kwargs = _layer_kwargs(policy, layout)
 
     def layer_step(layer):
         layer.build(shape)
@@ -102,7 +131,7 @@ def tensorflow_steps(shape, mode):
         def step():
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                loss = tf.reduce_sum(layer(x, training=True) * w)
+                loss = tf.reduce_sum(tf.cast(layer(x, training=True), dtype) * w)
             return tape.gradient(loss, [x, layer.gamma, layer.beta])
 
         return step
@@ -111,13 +140,14 @@ def tensorflow_steps(shape, mode):
     moving_mean, moving_variance = tf.Variable(tf.zeros(channels)), tf.Variable(tf.ones(channels))
     x4 = tf.reshape(x, (-1, 1, 1, channels)) if len(shape) != 4 else x
     w4 = tf.reshape(w, x4.shape)
+    fused_kwargs = {"epsilon": 1e-3, "data_format": data_format}
 
     @tf.function
     def raw_training():
         with tf.GradientTape() as tape:
             tape.watch(x4)
             y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-                x4, gamma, beta, epsilon=1e-3, is_training=True
+                x4, gamma, beta, is_training=True, **fused_kwargs
             )
             loss = tf.reduce_sum(y * w4)
         grads = tape.gradient(loss, [x4, gamma, beta])
@@ -128,13 +158,13 @@ def tensorflow_steps(shape, mode):
     @tf.function
     def raw_inference():
         return tf.compat.v1.nn.fused_batch_norm(
-            x4, gamma, beta, moving_mean, moving_variance, epsilon=1e-3, is_training=False
+            x4, gamma, beta, moving_mean, moving_variance, is_training=False, **fused_kwargs
         )[0]
 
     steps = {
-        "keras_bn": layer_step(keras_bn.BatchNormalization()),
-        "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False)),
-        "keras": layer_step(keras.layers.BatchNormalization()),
+        "keras_bn": layer_step(keras_bn.BatchNormalization(**kwargs)),
+        "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False, **kwargs)),
+        "keras": layer_step(keras.layers.BatchNormalization(**kwargs)),
         "tf.nn.fused_batch_norm": raw_training if mode == "training" else raw_inference,
     }
     blocking = {name: (lambda fn=fn: _block_tf(fn())) for name, fn in steps.items()}
@@ -148,16 +178,19 @@ def _block_tf(result):
         t.numpy()
 
 
-def torch_steps(shape, mode):
+def torch_steps(shape, mode, policy, layout):
     import keras
     import torch
 
     import keras_bn
 
     x_np, w_np = _arrays(shape)
-    channels = shape[-1]
-    keras_x = torch.tensor(x_np, requires_grad=mode == "training")
-    keras_w = torch.tensor(w_np)
+    dtype = getattr(torch, _compute_dtype(policy))
+    first = layout == "channels_first"
+    channels = shape[1] if first else shape[-1]
+    kwargs = _layer_kwargs(policy, layout)
+    keras_x = torch.tensor(x_np).to(dtype).requires_grad_(mode == "training")
+    keras_w = torch.tensor(w_np).to(dtype)
 
     def layer_step(layer):
         layer.build(shape)
@@ -170,15 +203,19 @@ def torch_steps(shape, mode):
 
         return step
 
-    if len(shape) == 4:  # channels_last: the memory of the NHWC array.
+    if len(shape) == 4 and not first:  # channels_last: the memory of the NHWC array.
         native = torch.nn.BatchNorm2d(channels, eps=1e-3, momentum=0.01)
         torch_x = torch.tensor(x_np).permute(0, 3, 1, 2)
         torch_w = torch.tensor(w_np).permute(0, 3, 1, 2)
         assert torch_x.is_contiguous(memory_format=torch.channels_last)
+    elif first:  # Contiguous NCHW, ATen's own layout.
+        native = torch.nn.BatchNorm2d(channels, eps=1e-3, momentum=0.01)
+        torch_x, torch_w = torch.tensor(x_np), torch.tensor(w_np)
     else:
         native = torch.nn.BatchNorm1d(channels, eps=1e-3, momentum=0.01)
         torch_x, torch_w = torch.tensor(x_np), torch.tensor(w_np)
-    torch_x.requires_grad_(mode == "training")
+    torch_x = torch_x.to(dtype).requires_grad_(mode == "training")  # float32 parameters
+    torch_w = torch_w.to(dtype)
 
     def native_step():
         if mode == "inference":
@@ -191,10 +228,10 @@ def torch_steps(shape, mode):
 
     name = "torch BatchNorm2d" if len(shape) == 4 else "torch BatchNorm1d"
     steps = {
-        "keras_bn": layer_step(keras_bn.BatchNormalization()),
-        "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False)),
-        "keras": layer_step(keras.layers.BatchNormalization()),
-        "keras layer floor": layer_step(_KerasWrapped(native)),
+        "keras_bn": layer_step(keras_bn.BatchNormalization(**kwargs)),
+        "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False, **kwargs)),
+        "keras": layer_step(keras.layers.BatchNormalization(**kwargs)),
+        "keras layer floor": layer_step(_KerasWrapped(native, channels_first=first)),
         name: native_step,
     }
     if mode == "inference":
@@ -213,8 +250,9 @@ def _keras_wrapped_class():
         alone.
         """
 
-        def __init__(self, module):
+        def __init__(self, module, channels_first):
             super().__init__()
+            self.channels_first = channels_first
             # Held in functions: Keras would wrap a module attribute in a
             # TorchModuleWrapper, a second Keras layer with its own cost.
             self.set_mode, self.run = module.train, module.__call__
@@ -224,15 +262,15 @@ def _keras_wrapped_class():
 
         def call(self, x, training=None):
             self.set_mode(bool(training))
-            if len(x.shape) != 4:
+            if len(x.shape) != 4 or self.channels_first:
                 return self.run(x)
             return self.run(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
 
     return KerasWrapped
 
 
-def _KerasWrapped(module):
-    return _keras_wrapped_class()(module)
+def _KerasWrapped(module, channels_first):
+    return _keras_wrapped_class()(module, channels_first)
 
 
 def _no_grad(fn):
@@ -242,7 +280,7 @@ def _no_grad(fn):
         return fn()
 
 
-def jax_steps(shape, mode):
+def jax_steps(shape, mode, policy, layout):
     import jax
     import keras
 
@@ -250,7 +288,9 @@ def jax_steps(shape, mode):
     from tests import jax_programs
 
     x_np, w_np = _arrays(shape)
-    x, w = jax.numpy.asarray(x_np), jax.numpy.asarray(w_np)
+    dtype = _compute_dtype(policy)
+    x, w = jax.numpy.asarray(x_np, dtype), jax.numpy.asarray(w_np, dtype)
+    kwargs = _layer_kwargs(policy, layout)
 
     def layer_step(layer):
         layer.build(shape)
@@ -263,8 +303,8 @@ def jax_steps(shape, mode):
         return lambda: jax.block_until_ready(step(trainable, non_trainable, x, w))
 
     steps = {
-        "keras_bn": layer_step(keras_bn.BatchNormalization()),
-        "keras": layer_step(keras.layers.BatchNormalization()),
+        "keras_bn": layer_step(keras_bn.BatchNormalization(**kwargs)),
+        "keras": layer_step(keras.layers.BatchNormalization(**kwargs)),
     }
     return steps, ["keras"]
 
@@ -275,27 +315,26 @@ ENGINE_STEPS = {"tensorflow": tensorflow_steps, "torch": torch_steps, "jax": jax
 def run_engine(engine):
     """Times every candidate of `engine` at each shape and mode; one JSON line each."""
     bandwidth = copy_bandwidth()
-    for mode in _MODES.value:
-        for text in _SHAPES.value:
-            shape = tuple(int(d) for d in text.split("x"))
-            steps, peers = ENGINE_STEPS[engine](shape, mode)
-            samples = timing.time_rounds(steps, 3, _REPEATS.value, _ROUNDS.value)
-            passes = TRAINING_PASSES if mode == "training" else INFERENCE_PASSES
-            bound = passes * np.prod(shape) * 4 / bandwidth
-            print(
-                json.dumps(
-                    {
-                        "engine": engine,
-                        "mode": mode,
-                        "shape": text,
-                        "peers": peers,
-                        "bound_s": bound,
-                        "bandwidth_GBs": bandwidth / 1e9,
-                        "samples": samples,
-                    }
-                ),
-                flush=True,
-            )
+    configs = [
+        (mode, text, policy, layout)
+        for mode in _MODES.value
+        for policy in _POLICIES.value
+        for layout in _LAYOUTS.value
+        for text in _SHAPES.value
+        if layout == "channels_last" or text.count("x") == 3
+    ]
+    for mode, text, policy, layout in configs:
+        shape = tuple(int(d) for d in text.split("x"))
+        if layout == "channels_first":
+            shape = (shape[0], shape[3], shape[1], shape[2])
+        steps, peers = ENGINE_STEPS[engine](shape, mode, policy, layout)
+        samples = timing.time_rounds(steps, 3, _REPEATS.value, _ROUNDS.value)
+        passes = TRAINING_PASSES if mode == "training" else INFERENCE_PASSES
+        itemsize = 4 if policy == "float32" else 2
+        bound = passes * np.prod(shape) * itemsize / bandwidth
+        record = {"engine": engine, "mode": mode, "shape": text, "policy": policy}
+        record.update(layout=layout, peers=peers, bound_s=bound, bandwidth_GBs=bandwidth / 1e9)
+        print(json.dumps({**record, "samples": samples}), flush=True)
 
 
 def _quartiles(values):
@@ -305,7 +344,10 @@ def _quartiles(values):
 def print_table(records):
     for mode in _MODES.value:
         print(f"\n{mode} step, ms: median [q1–q3]; ratio to the engine's fastest peer kernel")
-        print(f"{'engine':<11}{'shape':<15}{'candidate':<24}{'ms':>22}{'ratio':>20}{'of bound':>9}")
+        print(
+            f"{'engine':<11}{'shape':<15}{'policy':<16}{'layout':<15}{'candidate':<24}"
+            f"{'ms':>22}{'ratio':>20}{'of bound':>9}"
+        )
         for record in (r for r in records if r["mode"] == mode):
             samples = {k: np.asarray(v) for k, v in record["samples"].items()}
             fastest = min(record["peers"], key=lambda p: np.median(samples[p]))
@@ -313,7 +355,8 @@ def print_table(records):
                 q1, median, q3 = _quartiles(values) * 1e3
                 r1, ratio, r3 = _quartiles(values / samples[fastest])
                 print(
-                    f"{record['engine']:<11}{record['shape']:<15}{name:<24}"
+                    f"{record['engine']:<11}{record['shape']:<15}{record['policy']:<16}"
+                    f"{record['layout']:<15}{name:<24}"
                     f"{median:9.3f} [{q1:.3f}–{q3:.3f}]  {ratio:6.2f} [{r1:.2f}–{r3:.2f}]"
                     f"{record['bound_s'] * 1e3 / median * 100:8.0f}%"
                 )

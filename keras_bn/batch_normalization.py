@@ -45,7 +45,8 @@ class BatchNormalization(keras.layers.Layer):
     A batch with one value per feature or none (m ≤ 1: a `fit` whose last
     batch holds one example, say) leaves that feature's statistics
     unchanged: one value says nothing about the variance. Its output is β
-    (x − μ_B = 0), as in Keras' layer, and it never raises.
+    (x − μ_B = 0; γ·d + β with renorm), as in Keras' layer, and it never
+    raises.
 
     Non-finite batches. One batch that overflows (e.g. under `mixed_float16`,
     where the loss-scale optimizer then skips the step) would otherwise put
@@ -174,10 +175,11 @@ class BatchNormalization(keras.layers.Layer):
         ValueError: for an invalid argument; at build for an axis out of
             range or an undefined feature dimension; for `synchronized=True`
             on PyTorch (at construction, as Keras' layer refuses it); in
-            training for a mask of the wrong shape, a `sync_group_size`, `virtual_batch_size` or
-            (`keras.distribution`) replica count that does not divide, and
-            `fused=True` where no kernel runs the call; when loading a file
-            of other weights.
+            training for a mask of the wrong shape, a `sync_group_size`,
+            `virtual_batch_size` or (`keras.distribution`) replica count
+            that does not divide, and `fused=True` where no kernel runs the
+            call (a training batch of one value per feature takes the
+            general path instead); when loading a file of other weights.
         TypeError: for non-numeric inputs or an argument of the wrong type.
         RuntimeError: when a synchronised call runs where its collective
             cannot (a `tf.function` nested in `strategy.run`).
@@ -368,7 +370,7 @@ class BatchNormalization(keras.layers.Layer):
         return input_shape
 
     def call(self, inputs, training=None, mask=None):
-        x = self._statistics_input(inputs)
+        x = self._numeric_input(inputs)
         if not (training and self.trainable):
             return self._output(self._infer(x))
         weights = self._mask_weights(x, mask)
@@ -390,6 +392,7 @@ class BatchNormalization(keras.layers.Layer):
             weights=weights,
             correction=self._renorm_correction if self.renorm else None,
             fused=self.fused,
+            dtype=self.statistics_dtype,
         )
         self._update_moving_statistics(count, mean, variance)
         return self._output(y)
@@ -402,18 +405,20 @@ class BatchNormalization(keras.layers.Layer):
         if kernel is not None:  # Per-feature vectors; γ, β may be None.
             return kernel.infer(x, *statistics, self.epsilon)
         statistics = [self._broadcast(v, d) for v, d in zip(statistics, (0.0, 1.0, 1.0, 0.0))]
+        x = batch_plan.cast(x, self.statistics_dtype)
         return normalize.normalize_with_statistics(x, *statistics, self.epsilon)
 
-    def _statistics_input(self, inputs):
-        """`inputs` in the statistics' dtype; integers are cast, bool and complex refused."""
+    def _numeric_input(self, inputs):
+        """`inputs` as a tensor: floats in their dtype (a kernel may take a 16-bit input
+        as it is), integers cast to the statistics' dtype, bool and complex refused."""
         dtype = keras.backend.standardize_dtype(inputs.dtype)
-        if not (keras.backend.is_float_dtype(dtype) or keras.backend.is_int_dtype(dtype)):
-            raise TypeError(
-                f"{type(self).__name__} needs real numeric inputs. Received: inputs.dtype={dtype}"
-            )
-        if dtype == self.statistics_dtype:
+        if keras.backend.is_float_dtype(dtype):
             return ops.convert_to_tensor(inputs)  # As `ops.cast` would, without a copy.
-        return ops.cast(inputs, self.statistics_dtype)
+        if keras.backend.is_int_dtype(dtype):
+            return ops.cast(inputs, self.statistics_dtype)
+        raise TypeError(
+            f"{type(self).__name__} needs real numeric inputs. Received: inputs.dtype={dtype}"
+        )
 
     def _output(self, y):
         same = keras.backend.standardize_dtype(y.dtype) == self.compute_dtype
@@ -476,7 +481,7 @@ class BatchNormalization(keras.layers.Layer):
         mask = ops.convert_to_tensor(mask)
         if keras.backend.standardize_dtype(mask.dtype) != "bool":
             mask = ops.not_equal(mask, ops.zeros_like(mask))
-        return ops.expand_dims(ops.cast(mask, x.dtype), -1)
+        return ops.expand_dims(ops.cast(mask, self.statistics_dtype), -1)
 
     def _renorm_correction(self, mean, variance):
         """Batch Renormalization's (r, d), clipped and held out of the gradient."""

@@ -117,6 +117,7 @@ class BatchPlan:
         weights=None,
         correction=None,
         fused=None,
+        dtype=None,
     ):
         """One training call's normalisation, in the plan's partition.
 
@@ -128,7 +129,9 @@ class BatchPlan:
         engine's fused kernel where `kernels.choose` picks one.
 
         Args:
-            x: the input in the statistics' dtype, of the layer's rank.
+            x: the input, of the layer's rank, in its own float dtype: a
+                fused kernel may take it as it is (16-bit inputs with float32
+                statistics), the general path casts it to `dtype`.
             gamma, beta: the scale and offset, per feature (variables or
                 tensors; `None`, with `broadcast_shape`: 1 and 0), or already
                 broadcastable to `x`.
@@ -143,6 +146,7 @@ class BatchPlan:
                 variance)` to Batch Renormalization's `(r, d)`, which turn the
                 transform into γ (r x̂ + d) + β.
             fused: the layer's `fused`, for `kernels.choose`.
+            dtype: the statistics' dtype (`None`: `x`'s).
 
         Returns:
             `(y, (count, mean, variance))`: the output, shaped as `x`, and
@@ -152,6 +156,7 @@ class BatchPlan:
         kernel = kernels.choose(x, reduction_axes, epsilon, fused=fused, training=True, plain=plain)
         if kernel is not None:
             return kernel.train(x, _per_feature(gamma), _per_feature(beta), epsilon)
+        x = cast(x, dtype or x.dtype)
         if broadcast_shape is not None:
             gamma = _broadcast(gamma, 1.0, broadcast_shape, x.dtype)
             beta = _broadcast(beta, 0.0, broadcast_shape, x.dtype)
@@ -220,8 +225,9 @@ class BatchPlan:
         if not self.sliced:
             return count, mean, variance
         if len(count.shape) == 0:
-            # Equal slices (no mask): plain means (a sum over S, exact in
-            # float64), m = the slice's count.
+            # Equal slices (no mask): plain means (a sum over S, computed in
+            # the statistics' dtype: `ops.mean` would take float32), m = the
+            # slice's count.
             slices = ops.cast(ops.shape(mean)[0], mean.dtype)
             return count, ops.sum(mean, axis=0) / slices, ops.sum(variance, axis=0) / slices
         total = ops.sum(count, axis=0)
@@ -284,6 +290,13 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
     if not synchronized:
         return BatchPlan(slices=mesh)
     return BatchPlan(slices=mesh // (group_size or mesh))
+
+
+def cast(x, dtype):
+    """`x` in `dtype`, without an op when it has it already."""
+    if keras.backend.standardize_dtype(x.dtype) == keras.backend.standardize_dtype(dtype):
+        return x
+    return ops.cast(x, dtype)
 
 
 def _assert_divisible(x, size):

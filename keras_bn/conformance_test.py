@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 import keras_bn
+from keras_bn import kernels
 from tests import sync_fixtures
 from tests import training_reference
 
@@ -40,6 +41,7 @@ LAYOUTS = {
     "nchw": ((8, 4, 3, 3), 1),
     "3d": ((8, 5, 3), 2),
     "5d": ((8, 2, 3, 2, 3), 4),
+    "ncdhw": ((8, 3, 2, 3, 2), 1),
 }
 RENORM_CLIPPING = {"rmax": 1.5, "rmin": 0.5, "dmax": 0.5}
 PATHS = {
@@ -88,18 +90,32 @@ class Cell:
 
 
 def _cells():
-    cells = [Cell(p, "float32", "nhwc", t) for p in PATHS for t in TRANSFORMS]
-    cells += [Cell("default", d, "nhwc", t) for d in DTYPES[1:] for t in TRANSFORMS]
-    cells += [Cell("default", "float32", la, t) for la in list(LAYOUTS)[1:] for t in TRANSFORMS]
-    return [(c.name, c) for c in cells]
+    # `fit` on (N, C) rows: its last batch of one is then one value per feature.
+    cells = [
+        Cell(p, "float32", "nc" if t == "fit" else "nhwc", t) for p in PATHS for t in TRANSFORMS
+    ]
+    # The kernel rule and fused=True per dtype and layout: fused kernels take
+    # 16-bit inputs and channels-first maps where the engine has them.
+    for path in ("default", "fused"):
+        cells += [Cell(path, d, "nhwc", t) for d in DTYPES[1:] for t in TRANSFORMS]
+        cells += [Cell(path, "float32", la, t) for la in list(LAYOUTS)[1:] for t in TRANSFORMS]
+    return list({c.name: c for c in cells}.items())  # Blocks overlap at (N, C) fit.
 
 
 def refusal(cell):
     """The `ValueError` message (a regex) with which the layer refuses a cell, or `None`."""
     if cell.path in ("sync", "groups") and BACKEND == "torch":
         return "synchronized=True needs TensorFlow's tf.distribute or JAX's keras.distribution"
-    if cell.path == "fused" and (BACKEND == "jax" or cell.dtype != "float32"):
-        return "fused=True needs a fused batch-norm kernel"
+    if cell.path == "fused":
+        compute = keras.DTypePolicy(cell.dtype).compute_dtype
+        shape, axis = LAYOUTS[cell.layout]
+        channels_first = axis == 1 and len(shape) in (4, 5)
+        if BACKEND == "jax" or compute not in kernels.kernel_dtypes():
+            return "fused=True needs a fused batch-norm kernel"
+        if channels_first and BACKEND == "tensorflow" and not kernels.tensorflow_onednn_enabled():
+            return "fused=True needs a fused batch-norm kernel, but TensorFlow's CPU kernel runs"
+        if axis != len(shape) - 1 and not channels_first:
+            return "fused=True needs a fused batch-norm kernel, but its features must be"
     if cell.path == "fused" and cell.transform == "xla":
         # XLA expands the op with Var = E[x²] − E[x]² (keras_bn/kernels.py).
         return "fused=True needs a fused batch-norm kernel, but under XLA"
@@ -129,6 +145,11 @@ def not_run(cell):
         return "keras.distribution cannot shard a batch of one over 8 devices (nor a Dense model)"
     if cell.path == "groups" and cell.transform == "fit":
         return "a batch of one fills one replica group: the groups' copies differ"
+    if cell.path == "renorm" and BACKEND == "torch" and cell.transform in ("compile", "fit"):
+        # Measured with torch 2.13 (and before the derivative rule changed):
+        # AOTAutograd saves renorm's statistics for the backward pass, which
+        # their in-place update then changes.
+        return "torch.compile: renorm's statistics are updated in place after being saved"
     if cell.path in ("sync", "groups") and BACKEND == "tensorflow":
         if cell.transform == "xla":
             # "Trying to access resource ... located in device CPU:1 from device CPU:0".
@@ -212,7 +233,10 @@ def expected(case):
         batches = np.split(data, range(FIT_BATCH, len(data), FIT_BATCH))
         moments = [case.reference(masked=False).moments(b) for b in batches]
         mean, variance = training_reference.moving_statistics(moments, **rule)
-        return {"moving_mean": mean, "moving_variance": variance}
+        out = {"moving_mean": mean, "moving_variance": variance}
+        if cell.path == "guard":  # The batches of one value per feature, counted.
+            out["skipped_updates"] = float(sum(np.all(m[0] <= 1) for m in moments))
+        return out
     out = {"y": reference.output(x)}
     if cell.transform == "jvp":
         out["tangent"] = reference.tangent(x, case.v)
@@ -259,12 +283,13 @@ class ConformanceTest(parameterized.TestCase):
                 theirs = max(relative_error(their_values[k], want[k]) for k in want)
             except Exception as error:  # noqa: BLE001 - recorded in the matrix.
                 theirs = f"{type(error).__name__}"
+        # Keras' error is shown beside keras_bn's; the bound is the dtype's
+        # tolerance alone (every cell Keras runs passes it for keras_bn).
         RESULTS.append((cell, "ok" if ours <= TOLERANCE[cell.dtype] else "FAIL", ours, theirs))
-        bound = TOLERANCE[cell.dtype]
-        if isinstance(theirs, float) and math.isfinite(theirs):
-            bound = max(bound, theirs)
         worst = max(errors, key=errors.get)
-        self.assertLessEqual(ours, bound, f"{cell.name}: {worst} off by {errors[worst]:.3g}")
+        self.assertLessEqual(
+            ours, TOLERANCE[cell.dtype], f"{cell.name}: {worst} off by {errors[worst]:.3g}"
+        )
 
 
 class Float64Test(parameterized.TestCase):
@@ -368,7 +393,10 @@ def _fit(case, keras_layer):
         x, np.zeros_like(x), batch_size=FIT_BATCH, epochs=1, shuffle=False, verbose=0
     )
     assert all(math.isfinite(v) for v in history.history["loss"]), history.history
-    return _moving(layer)
+    values = _moving(layer)
+    if case.cell.path == "guard":
+        values["skipped_updates"] = keras.ops.convert_to_numpy(layer.skipped_updates)
+    return values
 
 
 def _moving(layer, values=None):

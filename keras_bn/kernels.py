@@ -30,9 +30,10 @@ the running variance it writes with momentum 1); the kernel here undoes the
 correction, so the moving-statistics update rule sees the same biased σ²_B as
 on the general path and applies `unbiased_variance` itself.
 
-A static batch of one value per feature (m = 1) takes the general path
-whatever `fused` says: its output is β either way, and PyTorch's kernel
-raises on it.
+A static training batch of one value per feature (m = 1) takes the general
+path whatever `fused` says, `fused=True` included: its output is β either
+way (γ·d + β with renorm, which has no kernel), and PyTorch's kernel raises
+on it.
 
 TensorFlow's oneDNN kernels are on by default only on some CPUs (and off with
 `TF_ENABLE_ONEDNN_OPTS=0`); without them its CPU fused kernel was no faster
@@ -57,7 +58,9 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
     """The fused kernel for a call, or `None` for the general path.
 
     Args:
-        x: the call's input in the statistics' dtype.
+        x: the call's input in its own float dtype (a kernel may take a
+            16-bit input with float32 statistics; the general path casts it
+            to the statistics' dtype first).
         reduction_axes: the axes its statistics reduce (sorted, non-negative).
         epsilon: the layer's ε.
         fused: the layer's `fused` argument: `None` (the measured rule),
@@ -68,24 +71,26 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
             true for inference.
 
     Returns:
-        A kernel with `train(x, gamma, beta, epsilon)` (per-feature tensors,
-        γ and β possibly `None`; returns `(y, (count, mean, variance))`, the
-        biased variance, `count` a Python int when `x`'s shape is static) and
-        `infer(x, mean, variance, gamma, beta, epsilon)` (per-feature
-        variables or tensors, γ and β possibly `None`), or `None`.
+        A kernel with `train(x, gamma, beta, epsilon)` (per-feature float32
+        tensors, γ and β possibly `None`; returns `(y, (count, mean,
+        variance))`, `y` in `x`'s dtype, the biased variance in float32,
+        `count` a Python int when `x`'s shape is static) and `infer(x, mean,
+        variance, gamma, beta, epsilon)` (per-feature variables or tensors,
+        γ and β possibly `None`), or `None`.
 
     Raises:
         ValueError: with `fused=True` when no fused kernel can run the call.
     """
-    if fused is False or _single_value(x):
-        # One value per feature: y = β on the general path, the kernels'
-        # meaning too (PyTorch's raises on it, even for fused=True).
+    layout = _layout(x, reduction_axes)
+    if fused is False or (training and _single_value(x, reduction_axes)):
+        # One value per feature in training: y = β on the general path, the
+        # kernels' meaning too (PyTorch's raises on it, even for fused=True).
         return None
-    reason = _unsupported(x, reduction_axes, epsilon, plain, training)
+    reason = _unsupported(x, layout, epsilon, plain, training)
     if reason is None and fused is None and not _faster_here(x):
         reason = "the measured rule keeps the general path on this platform"
     if reason is None:
-        return _KERNELS[keras.backend.backend()]
+        return _KERNELS[keras.backend.backend()](channels_first=layout == CHANNELS_FIRST)
     if fused:
         raise ValueError(
             f"fused=True needs a fused batch-norm kernel, but {reason}. Pass fused=None to "
@@ -94,25 +99,67 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
     return None
 
 
-def _single_value(x):
-    """Whether `x` holds a single value per feature of its last axis (static shapes only)."""
-    leading = x.shape[:-1]
-    return None not in leading and math.prod(leading) == 1
+CHANNELS_LAST, CHANNELS_FIRST = "channels_last", "channels_first"
 
 
-def _unsupported(x, reduction_axes, epsilon, plain, training):
+def _layout(x, reduction_axes):
+    """Where a call's one feature axis is: last (rank ≥ 2), second of a 4-D/5-D map, or `None`."""
+    rank = len(x.shape)
+    if rank >= 2 and tuple(reduction_axes) == tuple(range(rank - 1)):
+        return CHANNELS_LAST
+    if rank in (4, 5) and tuple(reduction_axes) == (0, *range(2, rank)):
+        return CHANNELS_FIRST
+    return None
+
+
+def _single_value(x, reduction_axes):
+    """Whether `x` holds a single value per feature (static shapes only)."""
+    reduced = [x.shape[a] for a in reduction_axes]
+    return None not in reduced and math.prod(reduced) == 1
+
+
+def kernel_dtypes():
+    """The input dtypes this engine's kernel takes where the rule measured it faster.
+
+    TensorFlow's oneDNN CPU kernel runs bfloat16 inputs with float32
+    statistics faster than a float32 pass (its float16 kernel is slower than
+    the general path: docs/benchmarks.md); on GPU, cuDNN's float16 (not
+    measured here). PyTorch's native kernel: `TORCH_KERNEL_DTYPES`.
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return TORCH_KERNEL_DTYPES
+    if backend != "tensorflow":
+        return ()
+    if _tensorflow_has_gpu():
+        return ("float32", "float16")
+    return ("float32", "bfloat16") if tensorflow_onednn_enabled() else ("float32",)
+
+
+# PyTorch's kernel takes 16-bit inputs with float32 statistics (ATen's
+# mixed-type batch norm): a training step at (32, 14, 14, 256) took 2.0 ms in
+# bfloat16 and 1.9 ms in float16, against 10.2 and 11.7 ms through the
+# general path's float32 casts (docs/benchmarks.md).
+TORCH_KERNEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _unsupported(x, layout, epsilon, plain, training):
     """Why no fused kernel can run this call (with the general path's meaning), or `None`."""
     backend = keras.backend.backend()
-    rank = len(x.shape)
     if backend not in _KERNELS:
         return f"the {backend} backend has none (XLA fuses the general path)"
     if not plain:
         return "masks, renorm, ghost batches, slices and synchronised moments need the general path"
     dtype = keras.backend.standardize_dtype(x.dtype)
-    if dtype != "float32":
-        return f"its kernel here runs float32 statistics, not {dtype}"
-    if rank < 2 or tuple(reduction_axes) != tuple(range(rank - 1)):
-        return "its features must be the one last axis of an input of rank 2 or more"
+    if dtype not in kernel_dtypes():
+        return f"its kernel here takes {', '.join(kernel_dtypes())} inputs, not {dtype}"
+    if layout is None:
+        return (
+            "its features must be one axis, the last of an input of rank 2 or more or the "
+            "second of a 4-D or 5-D input"
+        )
+    if layout == CHANNELS_FIRST and backend == "tensorflow" and not _channels_first_here():
+        return "TensorFlow's CPU kernel runs channels-first inputs only with oneDNN"
     if 0 in x.shape:
         return "the batch is empty"
     if epsilon < MIN_FUSED_EPSILON:
@@ -120,6 +167,11 @@ def _unsupported(x, reduction_axes, epsilon, plain, training):
     if backend == "tensorflow":
         return _tensorflow_unsupported(training)
     return None
+
+
+def _channels_first_here():
+    """Whether TensorFlow's fused kernel takes NCHW here: on GPU, and on CPU with oneDNN."""
+    return _tensorflow_has_gpu() or tensorflow_onednn_enabled()
 
 
 def _tensorflow_unsupported(training):
@@ -237,22 +289,23 @@ def _unbias(variance, count):
     return variance * ((count - 1.0) / ops.maximum(count, 1.0))
 
 
-def _vector(value, default, x):
-    """A per-feature value as a tensor (`default` everywhere for `None`)."""
+def _vector(value, default, channels):
+    """A per-feature float32 value as a tensor (`default` everywhere for `None`)."""
     if value is None:
-        return ops.full((x.shape[-1],), default, dtype=x.dtype)
+        return ops.full((channels,), default, dtype="float32")
     return _value(value)
 
 
-def _count(x):
-    """The values per feature: a Python int when `x`'s shape is static, else a float tensor."""
-    leading = x.shape[:-1]
-    if all(d is not None for d in leading):
-        return math.prod(leading)
+def _count(x, channel_axis):
+    """The values per feature: a Python int when `x`'s shape is static, else a float32 tensor."""
+    reduced = [i for i in range(len(x.shape)) if i != channel_axis % len(x.shape)]
+    if all(x.shape[i] is not None for i in reduced):
+        return math.prod(x.shape[i] for i in reduced)
     shape = ops.shape(x)
-    count = ops.cast(1.0, x.dtype)
-    for i, d in enumerate(leading):  # In the float dtype: no int32 overflow.
-        count = count * (d if d is not None else ops.cast(shape[i], x.dtype))
+    count = ops.cast(1.0, "float32")
+    for i in reduced:  # In float: no int32 overflow.
+        d = x.shape[i]
+        count = count * (d if d is not None else ops.cast(shape[i], "float32"))
     return count
 
 
@@ -264,72 +317,93 @@ def _empty_is_zero(count, mean, variance):
     return ops.where(has_values, mean, 0.0), ops.where(has_values, variance, 0.0)
 
 
-class _TensorFlowKernel:
-    """`FusedBatchNormV3` on an `(M, 1, 1, C)` view of the input."""
+class _Kernel:
+    """A fused kernel for one layout: the features last (rank ≥ 2) or second (4-D, 5-D)."""
 
-    @staticmethod
-    def _nhwc(x):
-        return x if len(x.shape) == 4 else ops.reshape(x, (-1, 1, 1, x.shape[-1]))
+    def __init__(self, channels_first):
+        self.channel_axis = 1 if channels_first else -1
+
+
+class _TensorFlowKernel(_Kernel):
+    """`FusedBatchNormV3` on a 4-D view of the input: NHWC, `(M, 1, 1, C)` rows, or NCHW.
+
+    A 5-D channels-first map (N, C, D, H, W) is the NCHW view (N, C, D·H, W)
+    of the same memory.
+    """
+
+    def _view(self, x):
+        rank = len(x.shape)
+        if self.channel_axis == 1:
+            if rank == 5:
+                shape = ops.shape(x)
+                x = ops.reshape(x, (shape[0], x.shape[1], shape[2] * shape[3], shape[4]))
+            return x, "NCHW"
+        return (x if rank == 4 else ops.reshape(x, (-1, 1, 1, x.shape[-1]))), "NHWC"
+
+    def _normalize(self, x, gamma, beta, epsilon, **statistics):
+        import tensorflow as tf
+
+        view, data_format = self._view(x)
+        channels = x.shape[self.channel_axis]
+        y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
+            view,
+            _vector(gamma, 1.0, channels),
+            _vector(beta, 0.0, channels),
+            epsilon=epsilon,
+            data_format=data_format,
+            **statistics,
+        )
+        return ops.reshape(y, ops.shape(x)), mean, variance
 
     def train(self, x, gamma, beta, epsilon):
-        import tensorflow as tf
-
-        y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-            self._nhwc(x),
-            _vector(gamma, 1.0, x),
-            _vector(beta, 0.0, x),
-            epsilon=epsilon,
-            is_training=True,
-        )
-        count = _count(x)
+        y, mean, variance = self._normalize(x, gamma, beta, epsilon, is_training=True)
+        count = _count(x, self.channel_axis)
         mean, variance = _empty_is_zero(count, mean, _unbias(variance, count))
-        return ops.reshape(y, ops.shape(x)), (count, mean, variance)
+        return y, (count, mean, variance)
 
     def infer(self, x, mean, variance, gamma, beta, epsilon):
-        import tensorflow as tf
-
-        y, _, _ = tf.compat.v1.nn.fused_batch_norm(
-            self._nhwc(x),
-            _vector(gamma, 1.0, x),
-            _vector(beta, 0.0, x),
-            _value(mean),
-            _value(variance),
-            epsilon=epsilon,
-            is_training=False,
-        )
-        return ops.reshape(y, ops.shape(x))
+        statistics = {"mean": _value(mean), "variance": _value(variance), "is_training": False}
+        return self._normalize(x, gamma, beta, epsilon, **statistics)[0]
 
 
-class _TorchKernel:
-    """`torch.nn.functional.batch_norm` (ATen's native kernel) on a channels-last view.
+class _TorchKernel(_Kernel):
+    """`torch.nn.functional.batch_norm` (ATen's native kernel).
 
-    ATen's channels-last CPU kernels are faster, backward most, than its
-    path for a contiguous `(M, C)` matrix (3.6 vs 2.8 ms for a training
-    step at (32, 14, 14, 256) on the 2-core benchmark machine).
+    Channels-first inputs go as they are (ATen's own layout); channels-last
+    ones through a channels-last view, whose CPU kernels are faster, backward
+    most, than ATen's path for a contiguous `(M, C)` matrix (3.6 vs 2.8 ms
+    for a training step at (32, 14, 14, 256) on the 2-core benchmark
+    machine). A 16-bit input runs with float32 statistics (ATen's mixed-type
+    batch norm).
     """
+
+    def _view(self, x):
+        if self.channel_axis == 1:
+            return x, lambda y: y
+        return _channels_last(x)
 
     def train(self, x, gamma, beta, epsilon):
         import torch
 
-        view, back = _channels_last(x)
+        view, back = self._view(x)
         # With momentum 1 the running buffers become the batch's mean and
         # its Bessel-corrected variance.
-        mean = torch.zeros(view.shape[1], dtype=view.dtype, device=view.device)
+        mean = torch.zeros(view.shape[1], dtype=torch.float32, device=view.device)
         variance = torch.zeros_like(mean)
         y = torch.nn.functional.batch_norm(
             view, mean, variance, gamma, beta, training=True, momentum=1.0, eps=epsilon
         )
-        count = _count(x)
+        count = _count(x, self.channel_axis)
         return back(y), (count, mean, _unbias(variance, count))
 
     def infer(self, x, mean, variance, gamma, beta, epsilon):
         import torch
 
-        view, back = _channels_last(x)
+        view, back = self._view(x)
         y = torch.nn.functional.batch_norm(
             view, *[_value(v) for v in (mean, variance, gamma, beta)], training=False, eps=epsilon
         )
         return back(y)
 
 
-_KERNELS = {"tensorflow": _TensorFlowKernel(), "torch": _TorchKernel()}
+_KERNELS = {"tensorflow": _TensorFlowKernel, "torch": _TorchKernel}

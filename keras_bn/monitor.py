@@ -34,7 +34,8 @@ class BatchNormMonitor(keras.callbacks.Callback):
     - `<layer>/variance_drift`: RMS over features of
       ln((moving_variance + ε) / (σ²_B + ε)).
     - `<layer>/skipped_updates`: the updates the layer skipped for a
-      non-finite batch (`skip_nonfinite_updates=True`).
+      non-finite batch (`skip_nonfinite_updates=True`) or a batch of one
+      value per feature.
     - histograms `<layer>/moving_mean`, `<layer>/moving_variance`,
       `<layer>/gamma`, `<layer>/beta`.
 
@@ -372,7 +373,8 @@ _DESCRIPTIONS = {
         "batch, about 1 when they are unrelated."
     ),
     "skipped_updates": (
-        "Training batches whose non-finite statistics the layer kept out of its moving statistics."
+        "Training batches the layer kept out of its moving statistics: non-finite ones, and "
+        "those of one value per feature."
     ),
     "mean_drift": "RMS over features of (batch mean − moving mean) / batch std on the probe batch.",
     "variance_drift": (

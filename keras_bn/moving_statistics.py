@@ -62,7 +62,8 @@ def update(rule, state, mean, variance, count, weight=1.0):
     `rule.skip_nonfinite` a batch whose mean or variance holds a non-finite
     value in any feature leaves the whole state unchanged (counts, warm-up
     step and renorm statistics included); with `rule.count_skipped` it adds 1
-    to "skipped_updates", as does a batch that moved no feature (count ≤ 1).
+    to "skipped_updates", as does a batch with values that moved no feature
+    (one value per feature); an empty batch is not counted.
 
     Args:
         rule: the `Rule`.
@@ -131,6 +132,9 @@ def update(rule, state, mean, variance, count, weight=1.0):
     finite = ops.all(ops.isfinite(ops.concatenate([mean, variance])))
     kept = {name: ops.where(finite, value, state[name]) for name, value in new.items()}
     if rule.count_skipped:
-        updated = ops.logical_and(finite, moved > 0.0)
-        kept["skipped_updates"] = state["skipped_updates"] + 1.0 - ops.cast(updated, mean.dtype)
+        # An empty batch (a replica's empty share of the last one) is no skip.
+        had_values = count > 0 if static else ops.max(count) > 0.0
+        stuck = ops.logical_and(had_values, ops.logical_not(moved > 0.0))
+        skipped = ops.logical_or(ops.logical_not(finite), stuck)
+        kept["skipped_updates"] = state["skipped_updates"] + ops.cast(skipped, mean.dtype)
     return kept

@@ -19,9 +19,11 @@ The statistics are computed first (`moments.batch_moments`) and passed in,
 so a caller can derive other quantities from them (Batch Renormalization's
 r and d) before normalising. They are differentiable functions of x, and the
 rule here is the total derivative through them, so the rule ignores their
-own tangents (cotangents `None`): the moments' backward is never built in a
-first-order step, while a second derivative, which differentiates the rule
-itself, follows μ(x) and σ²(x) through the ops that computed them. That is
+own tangents (cotangents `None`): the moments' backward never runs in a
+first-order step (XLA and `tf.function` prune it; PyTorch's and eager
+TensorFlow's tapes still record it, holding x − μ until the backward pass),
+while a second derivative, which differentiates the rule itself, follows
+μ(x) and σ²(x) through the ops that computed them. That is
 why the rule recomputes everything from its inputs rather than from values
 kept by the forward pass (TensorFlow and PyTorch record a custom gradient's
 forward pass for no outer derivative).
@@ -61,6 +63,8 @@ def normalize_with_batch_statistics(
         batch mean and variance.
     """
     if keras.backend.backend() == "jax":
+        # JAX's replicas are slices of one batch (`batch_plan`): no collective here.
+        assert groups is None, "replica groups merge moments only under tf.distribute"
         return _jax_normalize(x, gamma, beta, mean, variance, count, axes, epsilon, weights)
 
     @ops.custom_gradient

@@ -66,6 +66,25 @@ class PopulationTest(parameterized.TestCase):
             model.get_layer("bn_in").moving_mean, data[:4].mean((0, 1, 2)), rtol=1e-5, atol=1e-6
         )
 
+    def test_a_batch_of_one_example_counts_where_the_layer_moves(self):
+        # A conv map of one example holds 16 values per channel: the layer
+        # moves, and the batch weighs 1 of 5 examples. A dense input of one
+        # example holds one value per feature: the layer does not move, and
+        # the batch is left out.
+        rng = np.random.RandomState(2)
+        maps = [(rng.randn(n, 4, 4, 2) * 3 + 2).astype(np.float32) for n in (4, 1)]
+        conv = keras.Sequential([keras.Input((4, 4, 2)), keras_bn.BatchNormalization()])
+        keras_bn.estimate_population_statistics(conv, maps, num_batches=2)
+        want = (4 * maps[0].mean((0, 1, 2)) + maps[1].mean((0, 1, 2))) / 5
+        np.testing.assert_allclose(conv.layers[0].moving_mean, want, rtol=1e-5)
+        rows = [(rng.randn(n, 3) + 5).astype(np.float32) for n in (4, 1)]
+        dense = keras.Sequential([keras.Input((3,)), keras_bn.BatchNormalization(momentum=None)])
+        keras_bn.estimate_population_statistics(dense, rows, num_batches=2)
+        layer = dense.layers[0]
+        np.testing.assert_allclose(layer.moving_mean, rows[0].mean(0), rtol=1e-5)
+        np.testing.assert_allclose(layer.moving_variance, rows[0].var(0), rtol=1e-5)
+        self.assertEqual(float(layer.moving_batches), 1.0)
+
     def test_rejects_bad_num_batches(self):
         with self.assertRaisesRegex(ValueError, r"positive int. Received: num_batches=0"):
             keras_bn.estimate_population_statistics(_model(False), [], num_batches=0)

@@ -1,0 +1,143 @@
+r"""Whole-model training steps with Keras' batch norm and with keras_bn, on every engine.
+
+A model from `keras.applications` (`weights=None`) is built once with Keras'
+`BatchNormalization` and converted with `keras_bn.convert_batch_norm` (same
+weights and configuration); both are compiled with SGD and a sparse
+cross-entropy loss, and one `train_on_batch` step of each is timed
+round-robin in the same process (paired rounds, `benchmarks/timing.py`).
+Each engine runs in its own process. The table gives each candidate's median
+step time with its quartiles, and keras_bn's time over Keras' as the median
+(and quartiles) of the per-round ratios: below 1 is faster than Keras'
+layer.
+
+Run:
+    python -m benchmarks.model_speed                       # ResNet-50, every engine, f32 + bf16
+    python -m benchmarks.model_speed --models=mobilenetv2 --engines=jax --policies=float32
+    python -m benchmarks.model_speed --data_formats=channels_first --engines=torch
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from benchmarks import timing
+
+_ENGINE = flags.DEFINE_enum(
+    "engine", None, ["tensorflow", "torch", "jax"], "One engine in this process (a worker)."
+)
+_ENGINES = flags.DEFINE_multi_enum(
+    "engines", ["tensorflow", "jax", "torch"], ["tensorflow", "torch", "jax"], "Engines to run."
+)
+_MODELS = flags.DEFINE_multi_enum(
+    "models", ["resnet50"], ["resnet50", "mobilenetv2"], "keras.applications models."
+)
+_POLICIES = flags.DEFINE_multi_enum(
+    "policies",
+    ["float32", "mixed_bfloat16"],
+    ["float32", "mixed_bfloat16", "mixed_float16"],
+    "Keras dtype policies.",
+)
+_DATA_FORMATS = flags.DEFINE_multi_enum(
+    "data_formats",
+    ["channels_last"],
+    ["channels_last", "channels_first"],
+    "Image data formats (channels_first needs an engine whose CPU convolutions take NCHW).",
+)
+_BATCH = flags.DEFINE_integer("batch", 32, "Examples per step.", lower_bound=2)
+_SIZE = flags.DEFINE_integer("size", 64, "Image height and width.", lower_bound=32)
+_ROUNDS = flags.DEFINE_integer("rounds", 7, "Paired rounds.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Steps per timed sample.", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps of each (compilation).", lower_bound=1)
+
+_APPLICATIONS = {"resnet50": "ResNet50", "mobilenetv2": "MobileNetV2"}
+
+
+def candidates(model_name, policy, data_format):
+    """`{"keras": step, "keras_bn": step}`: one `train_on_batch` each on the same batch."""
+    import keras
+
+    import keras_bn
+
+    keras.config.set_dtype_policy(policy)
+    keras.config.set_image_data_format(data_format)
+    size = _SIZE.value
+    shape = (size, size, 3) if data_format == "channels_last" else (3, size, size)
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, _APPLICATIONS[model_name])(
+        weights=None, input_shape=shape, classes=10
+    )
+    converted = keras_bn.convert_batch_norm(model)
+    rng = np.random.RandomState(0)
+    x = rng.rand(_BATCH.value, *shape).astype(np.float32)
+    y = rng.randint(0, 10, _BATCH.value)
+    steps = {}
+    for name, candidate in (("keras", model), ("keras_bn", converted)):
+        candidate.compile(
+            optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy"
+        )
+        steps[name] = lambda candidate=candidate: candidate.train_on_batch(x, y)
+    return steps
+
+
+def run_engine(engine):
+    """Times both candidates of every configuration; one JSON line each."""
+    for model_name in _MODELS.value:
+        for policy in _POLICIES.value:
+            for data_format in _DATA_FORMATS.value:
+                steps = candidates(model_name, policy, data_format)
+                samples = timing.time_rounds(steps, _WARMUP.value, _REPEATS.value, _ROUNDS.value)
+                record = {"engine": engine, "model": model_name, "policy": policy}
+                record.update(data_format=data_format, samples=samples)
+                print(json.dumps(record), flush=True)
+
+
+def print_table(records):
+    print(
+        f"batch {_BATCH.value}, {_SIZE.value}x{_SIZE.value}; step ms: median [q1–q3]; "
+        "keras_bn / Keras per round: median [q1–q3]"
+    )
+    print(
+        f"{'engine':<11}{'model':<13}{'policy':<16}{'format':<15}"
+        f"{'keras ms':>26}{'keras_bn ms':>26}{'ratio':>20}"
+    )
+    for record in records:
+        keras_s, ours_s = (np.asarray(record["samples"][k]) for k in ("keras", "keras_bn"))
+        cells = []
+        for values in (keras_s, ours_s):
+            q1, median, q3 = np.percentile(values, [25, 50, 75]) * 1e3
+            cells.append(f"{median:9.1f} [{q1:.1f}–{q3:.1f}]")
+        r1, ratio, r3 = np.percentile(ours_s / keras_s, [25, 50, 75])
+        print(
+            f"{record['engine']:<11}{record['model']:<13}{record['policy']:<16}"
+            f"{record['data_format']:<15}{cells[0]:>26}{cells[1]:>26}"
+            f"{ratio:9.3f} [{r1:.3f}–{r3:.3f}]"
+        )
+
+
+def main(argv):
+    del argv
+    if _ENGINE.value:
+        run_engine(_ENGINE.value)
+        return
+    records = []
+    for engine in _ENGINES.value:
+        env = dict(os.environ, KERAS_BACKEND=engine, TF_CPP_MIN_LOG_LEVEL="2")
+        args = [a for a in sys.argv[1:] if not a.startswith("--engine")]
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.model_speed", f"--engine={engine}", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        records += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    print_table(records)
+
+
+if __name__ == "__main__":
+    app.run(main)
