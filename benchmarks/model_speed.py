@@ -17,9 +17,6 @@ Run:
 """
 
 import json
-import os
-import subprocess
-import sys
 
 from absl import app
 from absl import flags
@@ -124,18 +121,7 @@ def main(argv):
     if _ENGINE.value:
         run_engine(_ENGINE.value)
         return
-    records = []
-    for engine in _ENGINES.value:
-        env = dict(os.environ, KERAS_BACKEND=engine, TF_CPP_MIN_LOG_LEVEL="2")
-        args = [a for a in sys.argv[1:] if not a.startswith("--engine")]
-        out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.model_speed", f"--engine={engine}", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        records += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    records = timing.records_per_engine("benchmarks.model_speed", _ENGINES.value)
     print_table(records)
 
 

@@ -1,5 +1,9 @@
-"""Interleaved wall-clock timing shared by the benchmarks."""
+"""Interleaved wall-clock timing shared by the benchmarks, and their per-engine processes."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -38,3 +42,27 @@ def time_interleaved(functions, warmup, repeats, rounds):
     """Median seconds per call of each function (see `time_rounds`)."""
     samples = time_rounds(functions, warmup, repeats, rounds)
     return {name: float(np.median(s)) for name, s in samples.items()}
+
+
+def records_per_engine(module, engines):
+    """Runs `python -m module --engine=E` per engine, with this process's other flags.
+
+    Keras picks its backend once per process, so each engine runs in its
+    own, under `KERAS_BACKEND=E`; each prints one JSON record per line.
+
+    Returns:
+        The records of every engine, in order.
+    """
+    records = []
+    args = [a for a in sys.argv[1:] if not a.startswith("--engine")]
+    for engine in engines:
+        env = dict(os.environ, KERAS_BACKEND=engine, TF_CPP_MIN_LOG_LEVEL="2")
+        out = subprocess.run(
+            [sys.executable, "-m", module, f"--engine={engine}", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        records += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return records

@@ -67,11 +67,13 @@ class BatchNormalization(keras.layers.Layer):
     by name (0 when a file has none); a file with other numbers or shapes of
     weights is refused (a swap of `center` and `scale` cannot be told apart).
 
-    Kernels. A float32 call with the features on the last axis and no mask,
-    renorm, ghost batches or cross-replica merge runs through the engine's
-    fused kernel where it was measured faster (TensorFlow's FusedBatchNormV3
-    on GPU and oneDNN CPUs, PyTorch's native kernel), else the general path
-    (`keras_bn.kernels` holds the rule), in training and inference.
+    Kernels. A call with one feature axis, the last or the second of a 4-D
+    or 5-D map, and no mask, renorm, ghost batches or cross-replica merge
+    runs through the engine's fused kernel where it was measured faster
+    (TensorFlow's FusedBatchNormV3 on GPU and oneDNN CPUs, PyTorch's native
+    kernel), else the general path (`keras_bn.kernels` holds the rule), in
+    training and inference. Under mixed precision the 16-bit input goes to
+    the kernel as it is, with float32 statistics.
 
     Warm-up. With `momentum_warmup=True` the momentum of update t (the
     weight `num_updates`) is min(momentum, (1 + t)/(10 + t)), TensorFlow's
@@ -105,7 +107,7 @@ class BatchNormalization(keras.layers.Layer):
     Backends. Everything runs on every Keras 3 backend but `synchronized`
     (TensorFlow, JAX). `trainable=False` means inference mode, as in Keras.
     Derivatives of every order (nested tapes, `jax.grad` of `jax.grad`,
-    `jax.jvp`, `create_graph=True`) go through the batch statistics.
+    `jax.jvp`, `create_graph=True`) follow the batch statistics.
 
     Args:
         axis: int or list/tuple of ints, default -1. The feature axes, which
@@ -409,8 +411,7 @@ class BatchNormalization(keras.layers.Layer):
         return normalize.normalize_with_statistics(x, *statistics, self.epsilon)
 
     def _numeric_input(self, inputs):
-        """`inputs` as a tensor: floats in their dtype (a kernel may take a 16-bit input
-        as it is), integers cast to the statistics' dtype, bool and complex refused."""
+        """Floats as they are (a kernel may take 16-bit ones), ints cast, bool/complex refused."""
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         if keras.backend.is_float_dtype(dtype):
             return ops.convert_to_tensor(inputs)  # As `ops.cast` would, without a copy.
@@ -436,9 +437,8 @@ class BatchNormalization(keras.layers.Layer):
             momentum_warmup=self.momentum_warmup,
         )
         state = {v.name: v for v in self.non_trainable_variables}
-        # The batch moments carry their gradient (for derivatives of the
-        # output); the state takes values only, so that a layer called under
-        # `jax.grad` assigns concrete arrays, not the transformation's tracers.
+        # The moments carry their gradient (for the output's); the state takes values, so a
+        # layer called under `jax.grad` assigns concrete arrays, not the transformation's tracers.
         mean, variance = ops.stop_gradient(mean), ops.stop_gradient(variance)
         shape = self.moving_mean.shape
         if tuple(mean.shape) != tuple(shape):
@@ -449,10 +449,9 @@ class BatchNormalization(keras.layers.Layer):
             state[name].assign(value)
 
     def _broadcast(self, variable, default):
-        dtype = self.statistics_dtype
         if variable is None:
-            return ops.full(self._broadcast_shape, default, dtype=dtype)
-        return ops.reshape(variable, self._broadcast_shape)  # Built in `dtype`.
+            return ops.full(self._broadcast_shape, default, dtype=self.statistics_dtype)
+        return ops.reshape(variable, self._broadcast_shape)  # Built in the statistics' dtype.
 
     def _flat_count(self, count):
         # One count for all features, or one per feature (masks over them).
@@ -460,8 +459,7 @@ class BatchNormalization(keras.layers.Layer):
             return count  # Known before run time (a fused kernel's).
         if len(count.shape) == 0 or all(d == 1 for d in count.shape):
             return ops.reshape(count, ())
-        shape = self.moving_mean.shape
-        return ops.reshape(ops.broadcast_to(count, self._broadcast_shape), shape)
+        return ops.reshape(ops.broadcast_to(count, self._broadcast_shape), self.moving_mean.shape)
 
     def _mask_weights(self, x, mask):
         """The mask as 0/1 weights of `x`'s rank, or `None` without a mask."""
@@ -477,8 +475,7 @@ class BatchNormalization(keras.layers.Layer):
                 "axis, size-1 dimensions broadcasting). "
                 f"Received: mask.shape={tuple(mask.shape)}, inputs.shape={tuple(x.shape)}"
             )
-        # Keras' meaning for a mask of any dtype: a value counts where it is non-zero.
-        mask = ops.convert_to_tensor(mask)
+        mask = ops.convert_to_tensor(mask)  # Keras' meaning, any dtype: counts where non-zero.
         if keras.backend.standardize_dtype(mask.dtype) != "bool":
             mask = ops.not_equal(mask, ops.zeros_like(mask))
         return ops.expand_dims(ops.cast(mask, self.statistics_dtype), -1)

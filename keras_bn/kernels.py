@@ -6,18 +6,23 @@ batch-norm kernel with the same meaning, and measurements showed it faster
 there (docs/benchmarks.md), a call that kernel can express runs through it:
 
 - TensorFlow: `FusedBatchNormV3` (`tf.compat.v1.nn.fused_batch_norm`), in
-  training and inference, on GPU, and on CPU when TensorFlow's oneDNN
-  kernels are on and the input holds at least 2^16 values;
+  training and inference, on GPU, and on CPU for inputs of at least 2^16
+  values when TensorFlow's oneDNN kernels are on, or the input is 16-bit;
 - PyTorch: `torch.nn.functional.batch_norm` (ATen's native kernel), in
   training and inference, on every device;
 - JAX: none; XLA fuses the general path.
 
-A call can use a fused kernel when its input is float32 with one feature
-axis, the last (a 2-D `(N, C)` input included), ε is at least 1.001e-5 (the
-least TensorFlow's kernel accepts; it would raise a smaller one) and, in
-training, it has no mask, no Batch Renormalization, no ghost batches or
+A call can use a fused kernel when its input's dtype is one the engine's
+kernel takes with float32 statistics (`kernel_dtypes`: float32, and the
+16-bit dtypes of mixed precision where measured faster, the input then
+going to the kernel without a cast), it has one feature axis, the last (a
+2-D `(N, C)` input included) or the second of a 4-D or 5-D map
+(channels-first: NCHW, and NCDHW viewed as NCHW), ε is at least 1.001e-5
+(the least TensorFlow's kernel accepts; it would raise a smaller one) and,
+in training, it has no mask, no Batch Renormalization, no ghost batches or
 `keras.distribution` slices and no cross-replica merge. Everything else,
-float64 included, takes the general path. So does TensorFlow's training
+float64 included, takes the general path, which casts a 16-bit input to
+float32. So does TensorFlow's training
 under XLA (`jit_compile=True`, TPUs): XLA lowers the op to BatchNormTraining,
 which its CPU and GPU backends expand with Var = E[x²] − E[x]², losing the
 float32 variance where |mean|/std is large (the general path compiles to
@@ -36,9 +41,10 @@ way (γ·d + β with renorm, which has no kernel), and PyTorch's kernel raises
 on it.
 
 TensorFlow's oneDNN kernels are on by default only on some CPUs (and off with
-`TF_ENABLE_ONEDNN_OPTS=0`); without them its CPU fused kernel was no faster
-than the general path at some shapes and slower at others, so the rule keeps
-the general path there. `fused=False` on the layer forces the general path
+`TF_ENABLE_ONEDNN_OPTS=0`); without them its float32 CPU fused kernel was no
+faster than the general path at some shapes and slower at others, so the
+rule keeps the general path there for float32 (its 16-bit kernels were
+faster, and run). `fused=False` on the layer forces the general path
 everywhere; `fused=True` asks for the fused kernel and raises where this
 engine and call cannot use one.
 """
@@ -87,7 +93,7 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
         # kernels' meaning too (PyTorch's raises on it, even for fused=True).
         return None
     reason = _unsupported(x, layout, epsilon, plain, training)
-    if reason is None and fused is None and not _faster_here(x):
+    if reason is None and fused is None and not _faster_here(x, layout, training):
         reason = "the measured rule keeps the general path on this platform"
     if reason is None:
         return _KERNELS[keras.backend.backend()](channels_first=layout == CHANNELS_FIRST)
@@ -121,10 +127,12 @@ def _single_value(x, reduction_axes):
 def kernel_dtypes():
     """The input dtypes this engine's kernel takes where the rule measured it faster.
 
-    TensorFlow's oneDNN CPU kernel runs bfloat16 inputs with float32
-    statistics faster than a float32 pass (its float16 kernel is slower than
-    the general path: docs/benchmarks.md); on GPU, cuDNN's float16 (not
-    measured here). PyTorch's native kernel: `TORCH_KERNEL_DTYPES`.
+    TensorFlow's CPU kernel runs bfloat16 and float16 inputs with float32
+    statistics faster than the general path's casts to float32 (with
+    oneDNN, channels-last: 3.9 vs 13.3 ms and 9.3 vs 12.8 ms for a training
+    step at (64, 28, 28, 64); `_faster_here` holds the exceptions); on GPU,
+    cuDNN's float16 (not measured here). PyTorch's native kernel:
+    `TORCH_KERNEL_DTYPES`.
     """
     backend = keras.backend.backend()
     if backend == "torch":
@@ -133,7 +141,7 @@ def kernel_dtypes():
         return ()
     if _tensorflow_has_gpu():
         return ("float32", "float16")
-    return ("float32", "bfloat16") if tensorflow_onednn_enabled() else ("float32",)
+    return ("float32", "bfloat16", "float16")
 
 
 # PyTorch's kernel takes 16-bit inputs with float32 statistics (ATen's
@@ -217,13 +225,25 @@ def _in_xla_context():
 MIN_ONEDNN_FUSED_SIZE = 2**16
 
 
-def _faster_here(x):
-    """The measured rule: whether this engine's fused kernel is the faster path here."""
+def _faster_here(x, layout, training):
+    """The measured rule: whether this engine's fused kernel is the faster path here.
+
+    On oneDNN CPUs TensorFlow's channels-first kernel was faster than the
+    general path in training (14.5 vs 28.8 ms at (64, 64, 28, 28)) but slower
+    in inference (4.8 vs 2.9 ms), and in float16 no faster in training
+    (12.6 vs 10.4 ms at (32, 256, 14, 14)); channels-last it was faster in
+    every dtype. Without oneDNN its float32 kernel was no faster than the
+    general path, its 16-bit ones were (8.7 vs 11.9 ms in bfloat16, 8.8 vs
+    12.9 ms in float16 at (64, 28, 28, 64)) (docs/benchmarks.md).
+    """
     if keras.backend.backend() != "tensorflow":
         return True
     if _tensorflow_has_gpu():
         return True
-    if not tensorflow_onednn_enabled():
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    if not tensorflow_onednn_enabled() and dtype == "float32":
+        return False
+    if layout == CHANNELS_FIRST and (not training or dtype == "float16"):
         return False
     known = [d for d in x.shape if d is not None]
     # A batch size known only at run time counts as large (training batches).

@@ -224,6 +224,33 @@ class FusedKernelTest(parameterized.TestCase):
             self.assertEqual(picked, {"large": gpu or onednn, "small": gpu})
         self.assertIsNone(kernels.choose(large, (0,), 1e-3, fused=False, training=True))
 
+    @parameterized.named_parameters(
+        # (oneDNN, dtype, channels first, training): whether the rule picks the kernel.
+        ("onednn_bfloat16", True, "bfloat16", False, True, True),
+        ("onednn_float16", True, "float16", False, False, True),
+        ("onednn_nchw_training", True, "float32", True, True, True),
+        ("onednn_nchw_inference", True, "float32", True, False, False),
+        ("onednn_nchw_float16", True, "float16", True, True, False),
+        ("plain_cpu_float32", False, "float32", False, True, False),
+        ("plain_cpu_bfloat16", False, "bfloat16", False, True, True),
+        ("plain_cpu_nchw", False, "float32", True, True, False),
+    )
+    def test_tensorflow_cpu_rule_per_dtype_and_layout(
+        self, onednn, dtype, channels_first, training, picked
+    ):
+        if BACKEND != "tensorflow":
+            self.skipTest("TensorFlow's CPU rule")
+        shape, axes = (
+            ((64, 16, 16, 16), (0, 2, 3)) if channels_first else ((64, 16, 16, 16), (0, 1, 2))
+        )
+        x = keras.ops.cast(_data(shape, 3), dtype)
+        with (
+            mock.patch.object(kernels, "tensorflow_onednn_enabled", return_value=onednn),
+            mock.patch.object(kernels, "_tensorflow_has_gpu", return_value=False),
+        ):
+            kernel = kernels.choose(x, axes, 1e-3, fused=None, training=training)
+        self.assertEqual(kernel is not None, picked)
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -102,24 +102,13 @@ def estimate_population_statistics(model, dataset, num_batches):
                 break
             inputs = batch[0] if isinstance(batch, tuple) else batch
             examples = float(keras.ops.shape(keras.tree.flatten(inputs)[0])[0])
-            for layer in layers:
-                # No variance is −1: a feature still holding it after the pass
-                # did not move (one value or none, or a non-finite batch).
-                layer.moving_variance.assign(np.full(layer.moving_variance.shape, -1.0))
-            training_pass(inputs)
-            for i, layer in enumerate(layers):
-                variance = _float64(layer.moving_variance)
-                # A count the rule moves for (2) where the layer moved, else 0.
-                moved = np.where(keras.ops.convert_to_numpy(variance) >= 0.0, 2.0, 0.0)
+            for i, (mean, variance, moved) in enumerate(
+                _batch_moments(layers, training_pass, inputs)
+            ):
                 averages[i] = moving_statistics.update(
-                    rule,
-                    averages[i],
-                    _float64(layer.moving_mean),
-                    variance,
-                    keras.ops.convert_to_tensor(moved.reshape(-1), variance.dtype),
-                    weight=examples,
+                    rule, averages[i], mean, variance, moved, weight=examples
                 )
-                used[i] += float(moved.max() > 0.0)
+                used[i] += float(np.max(keras.ops.convert_to_numpy(moved)) > 0.0)
             seen += 1
     finally:
         for layer, values, momentum in zip(layers, saved, momenta):
@@ -141,6 +130,25 @@ def estimate_population_statistics(model, dataset, num_batches):
             layer.moving_batches.assign(batches)
         estimates[layer.path] = (mean, variance)
     return estimates
+
+
+def _batch_moments(layers, training_pass, inputs):
+    """Each layer's `(mean, variance, count)` of one pass, in float64.
+
+    The count is 2 (one the update rule moves for) where the layer moved,
+    else 0: no variance is −1, so a feature still holding it after the pass
+    did not move (one value or none, or a non-finite batch).
+    """
+    for layer in layers:
+        layer.moving_variance.assign(np.full(layer.moving_variance.shape, -1.0))
+    training_pass(inputs)
+    moments = []
+    for layer in layers:
+        variance = _float64(layer.moving_variance)
+        moved = np.where(keras.ops.convert_to_numpy(variance) >= 0.0, 2.0, 0.0).reshape(-1)
+        count = keras.ops.convert_to_tensor(moved, variance.dtype)
+        moments.append((_float64(layer.moving_mean), variance, count))
+    return moments
 
 
 def _training_pass(model):
