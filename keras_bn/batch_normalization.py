@@ -72,8 +72,7 @@ class BatchNormalization(keras.layers.Layer):
     runs through the engine's fused kernel where it was measured faster
     (TensorFlow's FusedBatchNormV3 on GPU and oneDNN CPUs, PyTorch's native
     kernel), else the general path (`keras_bn.kernels` holds the rule), in
-    training and inference. Under mixed precision the 16-bit input goes to
-    the kernel as it is, with float32 statistics.
+    training and inference; a 16-bit input goes to it without a cast.
 
     Warm-up. With `momentum_warmup=True` the momentum of update t (the
     weight `num_updates`) is min(momentum, (1 + t)/(10 + t)), TensorFlow's
@@ -106,8 +105,7 @@ class BatchNormalization(keras.layers.Layer):
 
     Backends. Everything runs on every Keras 3 backend but `synchronized`
     (TensorFlow, JAX). `trainable=False` means inference mode, as in Keras.
-    Derivatives of every order (nested tapes, `jax.grad` of `jax.grad`,
-    `jax.jvp`, `create_graph=True`) follow the batch statistics.
+    Derivatives of any order, forward mode too, follow the batch statistics.
 
     Args:
         axis: int or list/tuple of ints, default -1. The feature axes, which
@@ -401,14 +399,16 @@ class BatchNormalization(keras.layers.Layer):
 
     def _infer(self, x):
         statistics = [self.moving_mean, self.moving_variance, self.gamma, self.beta]
+        dtype, axes = self.statistics_dtype, self._reduction_axes
         kernel = kernels.choose(
-            x, self._reduction_axes, self.epsilon, fused=self.fused, training=False
+            x, axes, self.epsilon, fused=self.fused, training=False, statistics=dtype
         )
         if kernel is not None:  # Per-feature vectors; γ, β may be None.
             return kernel.infer(x, *statistics, self.epsilon)
         statistics = [self._broadcast(v, d) for v, d in zip(statistics, (0.0, 1.0, 1.0, 0.0))]
-        x = batch_plan.cast(x, self.statistics_dtype)
-        return normalize.normalize_with_statistics(x, *statistics, self.epsilon)
+        return normalize.normalize_with_statistics(
+            batch_plan.cast(x, dtype), *statistics, self.epsilon
+        )
 
     def _numeric_input(self, inputs):
         """Floats as they are (a kernel may take 16-bit ones), ints cast, bool/complex refused."""

@@ -153,7 +153,15 @@ class BatchPlan:
             the moments pooled over the slices (see `_pool`), per feature.
         """
         plain = not self.sliced and self.groups is None and weights is None and not correction
-        kernel = kernels.choose(x, reduction_axes, epsilon, fused=fused, training=True, plain=plain)
+        kernel = kernels.choose(
+            x,
+            reduction_axes,
+            epsilon,
+            fused=fused,
+            training=True,
+            plain=plain,
+            statistics=dtype or "float32",
+        )
         if kernel is not None:
             return kernel.train(x, _per_feature(gamma), _per_feature(beta), epsilon)
         x = cast(x, dtype or x.dtype)

@@ -60,7 +60,7 @@ from keras import ops
 MIN_FUSED_EPSILON = 1.001e-5
 
 
-def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
+def choose(x, reduction_axes, epsilon, *, fused, training, plain=True, statistics="float32"):
     """The fused kernel for a call, or `None` for the general path.
 
     Args:
@@ -75,6 +75,8 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
         plain: whether the call has none of what only the general path
             expresses (mask, renorm, slices, cross-replica merge); always
             true for inference.
+        statistics: the layer's statistics dtype; the kernels keep theirs
+            (γ, β, moving statistics) in float32.
 
     Returns:
         A kernel with `train(x, gamma, beta, epsilon)` (per-feature float32
@@ -93,6 +95,8 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True):
         # kernels' meaning too (PyTorch's raises on it, even for fused=True).
         return None
     reason = _unsupported(x, layout, epsilon, plain, training)
+    if reason is None and statistics != "float32":
+        reason = f"its statistics are float32, not {statistics}"
     if reason is None and fused is None and not _faster_here(x, layout, training):
         reason = "the measured rule keeps the general path on this platform"
     if reason is None:

@@ -18,6 +18,7 @@ import numpy as np
 
 import keras_bn
 from keras_bn import kernels
+from tests import references
 
 BACKEND = keras.backend.backend()
 HAS_KERNEL = BACKEND in ("tensorflow", "torch")
@@ -196,6 +197,16 @@ class FusedKernelTest(parameterized.TestCase):
         reason = r"inputs, not float64" if HAS_KERNEL else r"backend has none"
         with self.assertRaisesRegex(ValueError, reason):
             layer(_data((4, 3), 5).astype(np.float64), training=True)
+
+    def test_a_float64_layer_casts_other_floats_rather_than_take_a_kernel(self):
+        # Without autocasting a float32 input reaches the layer as it is: the
+        # kernels keep float32 statistics, so it runs the float64 general path.
+        layer = keras_bn.BatchNormalization(dtype="float64", autocast=False)
+        x = _data((64, 16, 16, 8), 2)
+        y = keras.ops.convert_to_numpy(layer(x, training=True))
+        self.assertEqual(y.dtype, np.float64)
+        want = references.reference_batch_norm(x, 1.0, 0.0, (-1,), 1e-3)
+        np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
 
     def test_fused_argument_is_validated_and_serialised(self):
         with self.assertRaisesRegex(TypeError, r"Received: fused='yes'"):
