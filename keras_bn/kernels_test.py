@@ -201,6 +201,8 @@ class FusedKernelTest(parameterized.TestCase):
     def test_a_float64_layer_casts_other_floats_rather_than_take_a_kernel(self):
         # Without autocasting a float32 input reaches the layer as it is: the
         # kernels keep float32 statistics, so it runs the float64 general path.
+        if keras.backend.standardize_dtype(keras.ops.ones(1, dtype="float64").dtype) != "float64":
+            self.skipTest("JAX holds float64 only with JAX_ENABLE_X64=1")
         layer = keras_bn.BatchNormalization(dtype="float64", autocast=False)
         x = _data((64, 16, 16, 8), 2)
         y = keras.ops.convert_to_numpy(layer(x, training=True))
