@@ -372,7 +372,7 @@ class BatchNormalization(keras.layers.Layer):
     def call(self, inputs, training=None, mask=None):
         x = self._numeric_input(inputs)
         if not (training and self.trainable):
-            return self._output(self._infer(x))
+            return batch_plan.cast(self._infer(x), self.compute_dtype)
         weights = self._mask_weights(x, mask)
         plan = batch_plan.make_plan(
             batch_plan.current_context(self.synchronized),
@@ -395,7 +395,7 @@ class BatchNormalization(keras.layers.Layer):
             dtype=self.statistics_dtype,
         )
         self._update_moving_statistics(count, mean, variance)
-        return self._output(y)
+        return batch_plan.cast(y, self.compute_dtype)
 
     def _infer(self, x):
         statistics = [self.moving_mean, self.moving_variance, self.gamma, self.beta]
@@ -420,10 +420,6 @@ class BatchNormalization(keras.layers.Layer):
         raise TypeError(
             f"{type(self).__name__} needs real numeric inputs. Received: inputs.dtype={dtype}"
         )
-
-    def _output(self, y):
-        same = keras.backend.standardize_dtype(y.dtype) == self.compute_dtype
-        return y if same else ops.cast(y, self.compute_dtype)
 
     def _update_moving_statistics(self, count, mean, variance):
         """Moves the statistics towards a batch's pooled `(count, mean, variance)`."""

@@ -301,7 +301,7 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
 
 
 def cast(x, dtype):
-    """`x` in `dtype`, without an op when it has it already."""
+    """`x` in `dtype`, without an op when it has it already (inputs and outputs of a call)."""
     if keras.backend.standardize_dtype(x.dtype) == keras.backend.standardize_dtype(dtype):
         return x
     return ops.cast(x, dtype)
