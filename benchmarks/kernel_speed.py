@@ -15,7 +15,8 @@ Candidates:
     TensorFlow  keras_bn (its rule), keras_bn fused=False (the general
                 path), Keras' layer, raw `tf.nn.fused_batch_norm` (with a
                 moving-average update of its outputs, as a layer does);
-                each a `tf.function` of the whole step.
+                each a `tf.function` of the whole step (`--jit_compile`:
+                compiled by XLA, where keras_bn takes its general path).
     PyTorch     keras_bn and Keras' layer under KERAS_BACKEND=torch,
                 `torch.nn.BatchNorm1d/2d` (2d on channels_last tensors),
                 and that module called inside the thinnest Keras layer
@@ -39,6 +40,7 @@ Run:
     python -m benchmarks.kernel_speed                 # every engine, default shapes
     python -m benchmarks.kernel_speed --engines=torch --shapes=64x28x28x64
     python -m benchmarks.kernel_speed --policies=mixed_bfloat16 --layouts=channels_first
+    python -m benchmarks.kernel_speed --engines=tensorflow --jit_compile
 """
 
 import json
@@ -75,6 +77,12 @@ _LAYOUTS = flags.DEFINE_multi_enum(
     ["channels_last"],
     ["channels_last", "channels_first"],
     "Where the features are: last, or second (4-D shapes only, given NHWC and run as NCHW).",
+)
+_JIT_COMPILE = flags.DEFINE_bool(
+    "jit_compile",
+    False,
+    "TensorFlow: compile every candidate's step with XLA (`tf.function(jit_compile=True)`, "
+    "which Keras' `compile` picks by default on GPUs).",
 )
 
 TRAINING_PASSES, INFERENCE_PASSES = 8, 2
@@ -118,13 +126,14 @@ def tensorflow_steps(shape, mode, policy, layout):
     channels = shape[1] if first else shape[-1]
     data_format = "NCHW" if first else "NHWC"
     kwargs = _layer_kwargs(policy, layout)
+    compiled = tf.function(jit_compile=_JIT_COMPILE.value)
 
     def layer_step(layer):
         layer.build(shape)
         if mode == "inference":
-            return tf.function(lambda: layer(x, training=False))
+            return compiled(lambda: layer(x, training=False))
 
-        @tf.function
+        @compiled
         def step():
             with tf.GradientTape() as tape:
                 tape.watch(x)
@@ -139,7 +148,7 @@ def tensorflow_steps(shape, mode, policy, layout):
     w4 = tf.reshape(w, x4.shape)
     fused_kwargs = {"epsilon": 1e-3, "data_format": data_format}
 
-    @tf.function
+    @compiled
     def raw_training():
         with tf.GradientTape() as tape:
             tape.watch(x4)
@@ -152,7 +161,7 @@ def tensorflow_steps(shape, mode, policy, layout):
         moving_variance.assign(moving_variance * 0.99 + variance * 0.01)
         return grads
 
-    @tf.function
+    @compiled
     def raw_inference():
         return tf.compat.v1.nn.fused_batch_norm(
             x4, gamma, beta, moving_mean, moving_variance, is_training=False, **fused_kwargs
@@ -330,6 +339,7 @@ def run_engine(engine):
         itemsize = 4 if policy == "float32" else 2
         bound = passes * np.prod(shape) * itemsize / bandwidth
         record = {"engine": engine, "mode": mode, "shape": text, "policy": policy}
+        record.update(jit_compile=_JIT_COMPILE.value and engine == "tensorflow")
         record.update(layout=layout, peers=peers, bound_s=bound, bandwidth_GBs=bandwidth / 1e9)
         print(json.dumps({**record, "samples": samples}), flush=True)
 

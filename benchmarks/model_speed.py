@@ -8,7 +8,9 @@ round-robin in the same process (paired rounds, `benchmarks/timing.py`).
 Each engine runs in its own process. The table gives each candidate's median
 step time with its quartiles, and keras_bn's time over Keras' as the median
 (and quartiles) of the per-round ratios: below 1 is faster than Keras'
-layer.
+layer. With `--floor` (default) a third candidate, the same model with every
+batch norm replaced by an identity, gives the step time that no batch norm
+can beat: its ratio to Keras' bounds keras_bn's from below.
 
 Run:
     python -m benchmarks.model_speed                       # ResNet-50, every engine, f32 + bf16
@@ -50,12 +52,35 @@ _SIZE = flags.DEFINE_integer("size", 64, "Image height and width.", lower_bound=
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Paired rounds.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Steps per timed sample.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps of each (compilation).", lower_bound=1)
+_FLOOR = flags.DEFINE_bool(
+    "floor",
+    True,
+    "Also time the model with every batch norm replaced by an identity: the step time no batch "
+    "norm can beat, so (floor / Keras) bounds keras_bn / Keras from below.",
+)
 
 _APPLICATIONS = {"resnet50": "ResNet50", "mobilenetv2": "MobileNetV2"}
 
 
+def without_batch_norm(model):
+    """A copy of `model` whose batch norms are identities (the floor candidate)."""
+    import keras
+
+    class NoBatchNorm(keras.layers.Layer):
+        def call(self, inputs, training=None, mask=None):  # BN's call signature.
+            return inputs
+
+    def clone(layer):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            return NoBatchNorm(name=layer.name)
+        return layer.__class__.from_config(layer.get_config())
+
+    return keras.models.clone_model(model, clone_function=clone)
+
+
 def candidates(model_name, policy, data_format):
-    """`{"keras": step, "keras_bn": step}`: one `train_on_batch` each on the same batch."""
+    """`{"keras": step, "keras_bn": step[, "no batch norm": step]}`: one `train_on_batch`
+    each on the same batch."""
     import keras
 
     import keras_bn
@@ -72,8 +97,11 @@ def candidates(model_name, policy, data_format):
     rng = np.random.RandomState(0)
     x = rng.rand(_BATCH.value, *shape).astype(np.float32)
     y = rng.randint(0, 10, _BATCH.value)
+    models = [("keras", model), ("keras_bn", converted)]
+    if _FLOOR.value:
+        models.append(("no batch norm", without_batch_norm(model)))
     steps = {}
-    for name, candidate in (("keras", model), ("keras_bn", converted)):
+    for name, candidate in models:
         candidate.compile(
             optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy"
         )
@@ -101,18 +129,24 @@ def print_table(records):
     print(
         f"{'engine':<11}{'model':<13}{'policy':<16}{'format':<15}"
         f"{'keras ms':>26}{'keras_bn ms':>26}{'ratio':>20}"
+        f"{'no-BN ms':>26}{'no-BN / keras':>20}"
     )
     for record in records:
-        keras_s, ours_s = (np.asarray(record["samples"][k]) for k in ("keras", "keras_bn"))
-        cells = []
-        for values in (keras_s, ours_s):
-            q1, median, q3 = np.percentile(values, [25, 50, 75]) * 1e3
-            cells.append(f"{median:9.1f} [{q1:.1f}–{q3:.1f}]")
-        r1, ratio, r3 = np.percentile(ours_s / keras_s, [25, 50, 75])
+        samples = {k: np.asarray(v) for k, v in record["samples"].items()}
+        names = [n for n in ("keras", "keras_bn", "no batch norm") if n in samples]
+        cells = {}
+        for name in names:
+            q1, median, q3 = np.percentile(samples[name], [25, 50, 75]) * 1e3
+            r1, ratio, r3 = np.percentile(samples[name] / samples["keras"], [25, 50, 75])
+            cells[name] = (
+                f"{median:9.1f} [{q1:.1f}–{q3:.1f}]",
+                f"{ratio:9.3f} [{r1:.3f}–{r3:.3f}]",
+            )
+        floor = cells.get("no batch norm", ("", ""))
         print(
             f"{record['engine']:<11}{record['model']:<13}{record['policy']:<16}"
-            f"{record['data_format']:<15}{cells[0]:>26}{cells[1]:>26}"
-            f"{ratio:9.3f} [{r1:.3f}–{r3:.3f}]"
+            f"{record['data_format']:<15}{cells['keras'][0]:>26}{cells['keras_bn'][0]:>26}"
+            f"{cells['keras_bn'][1]:>20}{floor[0]:>26}{floor[1]:>20}"
         )
 
 

@@ -4,7 +4,8 @@ The same small conv net (conv → BN → ReLU, twice, then pooling and a dense
 head) is trained under one `MirroredStrategy` over `--replicas` logical CPU
 devices, once with `keras_bn.BatchNormalization(synchronized=True)` and once
 with `keras.layers.BatchNormalization(synchronized=True)`, in one process,
-measured round-robin. Ratio = ours / Keras (below 1.0 means ours is faster).
+measured round-robin. Ratio = ours / Keras per paired round, its median and
+quartiles (below 1.0 means ours is faster).
 
 With `--payload` it instead counts the all-reduce traffic of one layer's
 training step (forward and input gradient) for R in {2, 8, 64, 1024} replicas
@@ -148,6 +149,7 @@ def main(argv):
         print("\n".join(payload_lines()))
         return
     import keras
+    import numpy as np
     import tensorflow as tf
 
     if len(tf.config.list_physical_devices(_DEVICE.value)) >= _REPLICAS.value:
@@ -169,14 +171,16 @@ def main(argv):
             _BATCH.value,
         ),
     }
-    times = timing.time_interleaved(steps, warmup=3, repeats=_REPEATS.value, rounds=_ROUNDS.value)
+    samples = timing.time_rounds(steps, warmup=3, repeats=_REPEATS.value, rounds=_ROUNDS.value)
+    ours, theirs = (np.asarray(samples[name]) for name in ("ours", "keras"))
     print(
         f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
         f"{_REPLICAS.value} {_DEVICE.value} replicas, global batch {_BATCH.value}"
     )
+    q1, ratio, q3 = np.percentile(ours / theirs, [25, 50, 75])
     print(
-        f"ours {times['ours'] * 1e3:.2f} ms/step, keras {times['keras'] * 1e3:.2f} ms/step, "
-        f"ratio {times['ours'] / times['keras']:.2f}"
+        f"ours {np.median(ours) * 1e3:.2f} ms/step, keras {np.median(theirs) * 1e3:.2f} ms/step, "
+        f"ratio (median of {_ROUNDS.value} paired rounds) {ratio:.3f} [q1–q3 {q1:.3f}–{q3:.3f}]"
     )
 
 

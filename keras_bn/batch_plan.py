@@ -152,18 +152,22 @@ class BatchPlan:
             `(y, (count, mean, variance))`: the output, shaped as `x`, and
             the moments pooled over the slices (see `_pool`), per feature.
         """
-        plain = not self.sliced and self.groups is None and weights is None and not correction
-        kernel = kernels.choose(
-            x,
-            reduction_axes,
-            epsilon,
-            fused=fused,
-            training=True,
-            plain=plain,
-            statistics=dtype or "float32",
-        )
-        if kernel is not None:
-            return kernel.train(x, _per_feature(gamma), _per_feature(beta), epsilon)
+        # Moments merged across replicas (no mask, no slices) may still take
+        # a kernel's ops after the merge (`kernels.choose_for_merged_moments`).
+        merged = self.groups is not None and not self.sliced and weights is None
+        if not merged:
+            plain = not self.sliced and weights is None and not correction
+            kernel = kernels.choose(
+                x,
+                reduction_axes,
+                epsilon,
+                fused=fused,
+                training=True,
+                plain=plain,
+                statistics=dtype or "float32",
+            )
+            if kernel is not None:
+                return kernel.train(x, _per_feature(gamma), _per_feature(beta), epsilon)
         x = cast(x, dtype or x.dtype)
         if broadcast_shape is not None:
             gamma = _broadcast(gamma, 1.0, broadcast_shape, x.dtype)
@@ -177,6 +181,9 @@ class BatchPlan:
         if correction is not None:
             r, d = correction(mean, variance)
             gamma, beta = gamma * r, beta + gamma * d
+        merged_kernel = None
+        if merged:
+            merged_kernel = kernels.choose_for_merged_moments(x, axes, epsilon, fused=fused)
         y = normalize.normalize_with_batch_statistics(
             x,
             gamma,
@@ -188,6 +195,7 @@ class BatchPlan:
             epsilon=epsilon,
             weights=weights,
             groups=self.groups,
+            kernel=merged_kernel,
         )
         return self._merge(y), self._pool(count, mean, variance)
 

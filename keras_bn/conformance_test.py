@@ -50,6 +50,8 @@ PATHS = {
     "general": {"fused": False},
     "sync": {"synchronized": True},
     "groups": {"synchronized": True, "sync_group_size": 2},
+    # The merged-moments kernel ops (TensorFlow), which the rule takes on large inputs only.
+    "sync_fused": {"synchronized": True, "fused": True},
     "ghost": {"virtual_batch_size": 2},
     "mask": {},
     "renorm": {"renorm": True, "renorm_clipping": RENORM_CLIPPING},
@@ -58,6 +60,7 @@ PATHS = {
     "guard": {"count_skipped_updates": True},
 }
 # Paths Keras' layer has, with its arguments.
+SYNC_PATHS = ("sync", "groups", "sync_fused")
 KERAS_PATHS = {"default": {}, "fused": {}, "general": {}, "sync": {}, "mask": {}}
 TRANSFORMS = {
     "tensorflow": ("eager", "function", "xla", "grad2", "hvp", "fit"),
@@ -104,7 +107,7 @@ def _cells():
 
 def refusal(cell):
     """The `ValueError` message (a regex) with which the layer refuses a cell, or `None`."""
-    if cell.path in ("sync", "groups") and BACKEND == "torch":
+    if cell.path in SYNC_PATHS and BACKEND == "torch":
         return "synchronized=True needs TensorFlow's tf.distribute or JAX's keras.distribution"
     if cell.path == "fused":
         compute = keras.DTypePolicy(cell.dtype).compute_dtype
@@ -116,6 +119,8 @@ def refusal(cell):
             return "fused=True needs a fused batch-norm kernel, but TensorFlow's CPU kernel runs"
         if axis != len(shape) - 1 and not channels_first:
             return "fused=True needs a fused batch-norm kernel, but its features must be"
+    if cell.path == "sync_fused" and BACKEND == "jax":
+        return "fused=True needs a fused batch-norm kernel"
     if cell.path == "fused" and cell.transform == "xla":
         # XLA expands the op with Var = E[x²] − E[x]² (keras_bn/kernels.py).
         return "fused=True needs a fused batch-norm kernel, but under XLA"
@@ -141,7 +146,7 @@ def not_run(cell):
 
         if not jax.config.read("jax_enable_x64"):
             return "JAX runs float64 only with JAX_ENABLE_X64=1"
-    if cell.path in ("sync", "groups") and BACKEND == "jax" and cell.transform == "fit":
+    if cell.path in SYNC_PATHS and BACKEND == "jax" and cell.transform == "fit":
         return "keras.distribution cannot shard a batch of one over 8 devices (nor a Dense model)"
     if cell.path == "groups" and cell.transform == "fit":
         return "a batch of one fills one replica group: the groups' copies differ"
@@ -150,7 +155,7 @@ def not_run(cell):
         # AOTAutograd saves renorm's statistics for the backward pass, which
         # their in-place update then changes.
         return "torch.compile: renorm's statistics are updated in place after being saved"
-    if cell.path in ("sync", "groups") and BACKEND == "tensorflow":
+    if cell.path in SYNC_PATHS and BACKEND == "tensorflow":
         if cell.transform == "xla":
             # "Trying to access resource ... located in device CPU:1 from device CPU:0".
             return "TensorFlow 2.21 cannot XLA-compile MirroredStrategy on logical CPUs"
@@ -215,7 +220,7 @@ class Case:
 
 def _on_mesh(cell):
     """Whether a JAX cell runs under `DataParallel` (the synchronised paths)."""
-    return cell.path in ("sync", "groups")
+    return cell.path in SYNC_PATHS
 
 
 def expected(case):
@@ -380,7 +385,7 @@ def _fit(case, keras_layer):
     """`fit` in batches of 8 whose last holds one example."""
     x = fit_data(case)
     scope = contextlib.nullcontext()
-    if case.cell.path == "sync" and BACKEND == "tensorflow":
+    if case.cell.path in ("sync", "sync_fused") and BACKEND == "tensorflow":
         scope = sync_fixtures.mirrored_cpu_strategy(REPLICAS).scope()
     with scope:
         layer = case.make_layer(keras_layer)
@@ -423,7 +428,7 @@ def _tensorflow(case, keras_layer):
     cell = case.cell
     dtype = _statistics_dtype(cell)
     strategy = None
-    if cell.path in ("sync", "groups"):
+    if cell.path in SYNC_PATHS:
         strategy = sync_fixtures.mirrored_cpu_strategy(REPLICAS)
     with strategy.scope() if strategy else contextlib.nullcontext():
         layer = case.make_layer(keras_layer)

@@ -101,12 +101,71 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True, statistic
         reason = "the measured rule keeps the general path on this platform"
     if reason is None:
         return _KERNELS[keras.backend.backend()](channels_first=layout == CHANNELS_FIRST)
+    return _refuse(reason, fused)
+
+
+def _refuse(reason, fused):
+    """`None` (the general path), or the `ValueError` that `fused=True` asked for."""
     if fused:
         raise ValueError(
             f"fused=True needs a fused batch-norm kernel, but {reason}. Pass fused=None to "
             "choose automatically. Received: fused=True"
         )
     return None
+
+
+def choose_for_merged_moments(x, reduction_axes, epsilon, *, fused):
+    """The kernel that normalises a call with moments merged across replicas, or `None`.
+
+    A synchronised call cannot run the fused training op, whose statistics
+    are its own replica's. On TensorFlow a float32 channels-last call still
+    takes two of its ops: the inference op normalises with the merged
+    moments (one pass instead of two), and the inference form of its
+    gradient op gives dy·γr and this replica's sums Σ dy, Σ dy·x̂ in one pass
+    (instead of five) before they are all-reduced. The measured rule takes
+    them where the fused kernel is the faster path (GPU; a oneDNN CPU and at
+    least 2^16 values): a training step of `benchmarks/sync_speed.py`'s
+    synchronised model took 0.99× Keras' `synchronized=True` with them and
+    1.04× without (oneDNN on); without oneDNN they were no faster (0.96×
+    either way). `fused=True` takes them wherever they can run.
+
+    Args:
+        x: the call's float input, already in the statistics' dtype.
+        reduction_axes: the axes its statistics reduce.
+        epsilon: the layer's ε.
+        fused: the layer's `fused`: `None` (the measured rule), `True`
+            (required) or `False` (never).
+
+    Returns:
+        A kernel with `normalize_given(x, gamma, beta, mean, variance,
+        epsilon)` and `local_gradient(dy, x, gamma, mean, variance,
+        epsilon)` (per-feature float32 tensors), or `None`.
+
+    Raises:
+        ValueError: with `fused=True` when the call cannot run them.
+    """
+    if fused is False:
+        return None
+    layout = _layout(x, reduction_axes)
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    reason = None
+    if keras.backend.backend() != "tensorflow":
+        reason = "only TensorFlow merges moments across replicas in the layer"
+    elif dtype != "float32":
+        reason = f"with merged moments its ops take float32 statistics, not {dtype}"
+    elif layout != CHANNELS_LAST:
+        reason = "with merged moments its features must be the last axis"
+    elif epsilon < MIN_FUSED_EPSILON:
+        reason = f"epsilon={epsilon} is below its least {MIN_FUSED_EPSILON}"
+    elif _in_xla_context():
+        reason = "under XLA, which fuses the general path, its ops are not used"
+    elif _op_determinism_enabled():
+        reason = "under op determinism its gradient op is not implemented on GPU"
+    elif fused is None and not _faster_here(x, layout, training=True):
+        reason = "the measured rule keeps the general path on this platform"
+    if reason is None:
+        return _TensorFlowKernel(channels_first=False)
+    return _refuse(reason, fused)
 
 
 CHANNELS_LAST, CHANNELS_FIRST = "channels_last", "channels_first"
@@ -341,6 +400,13 @@ def _empty_is_zero(count, mean, variance):
     return ops.where(has_values, mean, 0.0), ops.where(has_values, variance, 0.0)
 
 
+def _local_gradient_formula(dy, x, gamma, mean, variance, epsilon):
+    """`_TensorFlowKernel.local_gradient` in plain ops, for its derivative (features last)."""
+    inv = ops.rsqrt(variance + epsilon)
+    axes = tuple(range(len(x.shape) - 1))
+    return dy * (gamma * inv), ops.sum(dy * (x - mean), axis=axes) * inv, ops.sum(dy, axis=axes)
+
+
 class _Kernel:
     """A fused kernel for one layout: the features last (rank ≥ 2) or second (4-D, 5-D)."""
 
@@ -388,6 +454,50 @@ class _TensorFlowKernel(_Kernel):
     def infer(self, x, mean, variance, gamma, beta, epsilon):
         statistics = {"mean": _value(mean), "variance": _value(variance), "is_training": False}
         return self._normalize(x, gamma, beta, epsilon, **statistics)[0]
+
+    def normalize_given(self, x, gamma, beta, mean, variance, epsilon):
+        """γ (x − μ) / √(σ² + ε) + β with given per-feature statistics: the inference op."""
+        return self.infer(x, mean, variance, gamma, beta, epsilon)
+
+    def local_gradient(self, dy, x, gamma, mean, variance, epsilon):
+        """`(dy·γr, Σ dy·x̂, Σ dy)` over this call's values, r = 1/√(σ² + ε).
+
+        One pass of the gradient op's inference form (`is_training=False`:
+        the statistics are constants to it). Its own derivative is that of
+        the same quantities written in `keras.ops`, so a second derivative
+        follows μ and σ² too (TensorFlow's registered gradient of the op
+        returns none for them).
+        """
+        import tensorflow as tf
+
+        @ops.custom_gradient
+        def fused(dy, x, gamma, mean, variance):
+            view, data_format = self._view(x)
+            dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+                y_backprop=ops.reshape(dy, ops.shape(view)),
+                x=view,
+                scale=gamma,
+                reserve_space_1=mean,
+                reserve_space_2=variance,
+                reserve_space_3=mean,  # Unused by the inference form.
+                epsilon=epsilon,
+                data_format=data_format,
+                is_training=False,
+            )
+
+            def grad(*upstream):
+                inputs = [dy, x, gamma, mean, variance]
+                with tf.GradientTape() as tape:
+                    tape.watch(inputs)
+                    outputs = _local_gradient_formula(*inputs, epsilon)
+                upstream = [
+                    ops.zeros_like(o) if u is None else u for u, o in zip(upstream, outputs)
+                ]
+                return tape.gradient(outputs, inputs, output_gradients=upstream)
+
+            return (ops.reshape(dx, ops.shape(x)), dgamma, dbeta), grad
+
+        return fused(dy, x, gamma, mean, variance)
 
 
 class _TorchKernel(_Kernel):

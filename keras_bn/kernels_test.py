@@ -265,5 +265,62 @@ class FusedKernelTest(parameterized.TestCase):
         self.assertEqual(kernel is not None, picked)
 
 
+class MergedMomentsKernelTest(parameterized.TestCase):
+    """`kernels.choose_for_merged_moments`: the ops a synchronised call takes after its merge.
+
+    Their numbers against the general path under MirroredStrategy are in
+    `synchronized_test.py`; the conformance matrix runs them (`sync_fused`).
+    """
+
+    @parameterized.named_parameters(
+        ("float64", (64, 4, 4, 8), "float64", (0, 1, 2), 1e-3, r"float32 statistics, not float64"),
+        ("channels_first", (64, 8, 4, 4), "float32", (0, 2, 3), 1e-3, r"must be the last axis"),
+        ("small_epsilon", (64, 4, 4, 8), "float32", (0, 1, 2), 1e-6, r"epsilon=1e-06 is below"),
+    )
+    def test_fused_true_refuses_what_the_ops_cannot_run(self, shape, dtype, axes, epsilon, reason):
+        if BACKEND != "tensorflow":
+            reason = r"only TensorFlow merges moments across replicas in the layer"
+        x = keras.ops.convert_to_tensor(_data(shape, 9).astype(dtype))
+        with self.assertRaisesRegex(ValueError, reason + r".*Received: fused=True"):
+            kernels.choose_for_merged_moments(x, axes, epsilon, fused=True)
+        self.assertIsNone(kernels.choose_for_merged_moments(x, axes, epsilon, fused=None))
+
+    def test_fused_true_refuses_under_xla(self):
+        if BACKEND != "tensorflow":
+            self.skipTest("TensorFlow's XLA")
+        import tensorflow as tf
+
+        x = tf.constant(_data((64, 4, 4, 8), 10))
+        with self.assertRaisesRegex(ValueError, r"under XLA, which fuses the general path"):
+            tf.function(jit_compile=True)(
+                lambda x: kernels.choose_for_merged_moments(x, (0, 1, 2), 1e-3, fused=True)
+            )(x)
+
+    def test_fused_true_refuses_under_op_determinism(self):
+        if BACKEND != "tensorflow":
+            self.skipTest("TensorFlow's op determinism")
+        x = keras.ops.convert_to_tensor(_data((64, 4, 4, 8), 11))
+        with mock.patch.object(kernels, "_op_determinism_enabled", return_value=True):
+            with self.assertRaisesRegex(ValueError, r"under op determinism its gradient op"):
+                kernels.choose_for_merged_moments(x, (0, 1, 2), 1e-3, fused=True)
+
+    def test_the_rule_takes_them_where_the_fused_kernel_is_faster(self):
+        large = keras.ops.convert_to_tensor(_data((64, 16, 16, 16), 12))
+        small = keras.ops.convert_to_tensor(_data((8, 4, 4, 16), 12))
+        picked = {
+            name: kernels.choose_for_merged_moments(x, (0, 1, 2), 1e-3, fused=None) is not None
+            for name, x in (("large", large), ("small", small))
+        }
+        if BACKEND != "tensorflow":
+            self.assertEqual(picked, {"large": False, "small": False})
+        else:
+            import tensorflow as tf
+
+            gpu = bool(tf.config.list_logical_devices("GPU"))
+            onednn = kernels.tensorflow_onednn_enabled()
+            self.assertEqual(picked, {"large": gpu or onednn, "small": gpu})
+        self.assertIsNone(kernels.choose_for_merged_moments(large, (0, 1, 2), 1e-3, fused=False))
+
+
 if __name__ == "__main__":
     absltest.main()

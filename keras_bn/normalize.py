@@ -41,7 +41,7 @@ from keras_bn import moments
 
 
 def normalize_with_batch_statistics(
-    x, gamma, beta, mean, variance, count, *, axes, epsilon, weights=None, groups=None
+    x, gamma, beta, mean, variance, count, *, axes, epsilon, weights=None, groups=None, kernel=None
 ):
     """Normalises `x` with its own batch statistics `(count, mean, variance)`.
 
@@ -56,6 +56,9 @@ def normalize_with_batch_statistics(
         weights: `None` or the 0/1 mask the statistics were computed with.
         groups: `None` or the `moments.ReplicaGroups` they were merged over
             (TensorFlow only).
+        kernel: `None`, or `kernels.choose_for_merged_moments`'s kernel
+            (TensorFlow, no mask, features last): it computes the output and
+            the local sums of the gradient in fused passes.
 
     Returns:
         The output `y` in `x`'s dtype. Its derivatives of every order with
@@ -79,8 +82,17 @@ def normalize_with_batch_statistics(
             # more full-size tensor per layer until the backward pass costs
             # more memory traffic than the subtraction.
             centered = _centered(x, mean, weights)
-            sum_dy = ops.sum(dy, axis=axes, keepdims=True)
-            sum_dy_xhat = ops.sum(dy * centered, axis=axes, keepdims=True) * inv
+            if kernel is None:
+                scaled_dy = dy * scale
+                sum_dy = ops.sum(dy, axis=axes, keepdims=True)
+                sum_dy_xhat = ops.sum(dy * centered, axis=axes, keepdims=True) * inv
+            else:
+                scaled_dy, sum_dy_xhat, sum_dy = kernel.local_gradient(
+                    dy, x, *[_vector(v) for v in (gamma, mean, variance)], epsilon
+                )
+                sum_dy_xhat, sum_dy = [
+                    ops.reshape(v, ops.shape(mean)) for v in (sum_dy_xhat, sum_dy)
+                ]
             group_dy, group_dy_xhat = sum_dy, sum_dy_xhat
             if groups is not None:
                 group_dy, group_dy_xhat = groups.sum([sum_dy, sum_dy_xhat])
@@ -89,7 +101,7 @@ def normalize_with_batch_statistics(
             correction = coef_centered * centered + coef_const
             if weights is not None:
                 correction = correction * weights
-            dx = dy * scale - correction
+            dx = scaled_dy - correction
             return (
                 dx,
                 _sum_to_shape(sum_dy_xhat, gamma.shape),
@@ -98,6 +110,9 @@ def normalize_with_batch_statistics(
                 None,
             )
 
+        if kernel is not None:
+            vectors = [_vector(v) for v in (gamma, beta, mean, variance)]
+            return kernel.normalize_given(x, *vectors, epsilon), grad
         return _affine(x, gamma, beta, mean, variance, epsilon), grad
 
     return forward(x, gamma, beta, mean, variance)
@@ -146,6 +161,11 @@ def _centered(x, mean, weights):
     if weights is None:
         return centered
     return ops.where(ops.logical_or(weights > 0.0, ops.isfinite(centered)), centered, 0.0)
+
+
+def _vector(value):
+    """A per-feature statistic of shape (1, …, 1, C) as the (C,) vector a kernel takes."""
+    return ops.reshape(value, (-1,))
 
 
 def _sum_to_shape(value, shape):

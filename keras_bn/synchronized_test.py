@@ -259,6 +259,40 @@ class MirroredTest(parameterized.TestCase):
         )
 
     @parameterized.named_parameters(
+        ("packed_two", 2, [5, 3], None, {}),
+        ("all_four_one_empty", 4, [3, 0, 4, 1], None, {}),
+        ("groups_of_two", 4, [2, 2, 3, 1], 2, {}),
+        ("renorm", 2, [4, 4], None, {"renorm": True, "renorm_clipping": {"rmax": 1.2}}),
+        ("dense_rows", 4, [16, 8, 8, 32], None, {}),
+    )
+    def test_merged_moments_kernel_matches_the_general_path(
+        self, num_replicas, sizes, group_size, kwargs
+    ):
+        # fused=True takes the kernel's ops after the merge wherever they run
+        # (the rule only on large inputs); fused=False the general path.
+        shape = (sum(sizes), 8) if sum(sizes) > 16 else (sum(sizes), 3, 3, 4)
+        x, w = _data(shape, 40 + num_replicas, loc=2.0, scale=3.0)
+        results = {}
+        for fused in (True, False):
+            _, layer, outputs = _mirrored(
+                num_replicas,
+                sizes,
+                {},
+                x,
+                w,
+                steps=2,
+                fused=fused,
+                momentum=0.5,
+                sync_group_size=group_size,
+                **kwargs,
+            )
+            statistics = [_replica_copies(v) for v in (layer.moving_mean, layer.moving_variance)]
+            results[fused] = outputs + [np.stack(s) for s in statistics]
+        names = ("y", "dx", "dgamma", "dbeta", "moving_mean", "moving_variance")
+        for name, a, e in zip(names, results[True], results[False]):
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
+
+    @parameterized.named_parameters(
         ("packed_two", 2, [40, 24], None),
         ("two_pass_four", 4, [20, 12, 0, 32], None),
         ("groups_of_two", 4, [20, 12, 0, 32], 2),
