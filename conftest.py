@@ -13,10 +13,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 
 from tests import host_devices  # noqa: E402
-from trainers import devices  # noqa: E402
+from tests import sync_fixtures  # noqa: E402
 
 if keras.backend.backend() == "tensorflow":
-    devices.split_device("CPU", 4)
+    sync_fixtures.split_cpu(4)
 elif keras.backend.backend() == "jax":
     # Eight host devices for the keras.distribution tests.
     host_devices.emulate_host_devices(8)

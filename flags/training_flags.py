@@ -1,9 +1,11 @@
-"""Training-loop flags shared by the trainers, each trainer setting its own defaults.
+"""Training-loop flags shared by the trainers, each trainer with its own defaults.
 
 The defaults differ per trainer (the paper's MNIST and ImageNet setups), so
-each trainer's main module calls `set_defaults` once at import: its `--help`
-then shows its real defaults, and the flags hold them. The values here are
-what a binary that sets none sees.
+the flags default to `None` and each trainer's `config_from_flags` fills an
+unset one from its own defaults (`with_defaults`): importing a trainer
+changes no flag, and a process holding both trainers gives each its own.
+Run as a program, a trainer also `set_defaults` before parsing, so its
+`--help` shows its defaults.
 """
 
 import math
@@ -115,8 +117,24 @@ def lr_multipliers():
     return tuple(float(m) for m in LR_SWEEP.value) if LR_SWEEP.value else None
 
 
+def with_defaults(values, defaults):
+    """`values` (flag name → value) with each training flag left unset taken from `defaults`.
+
+    Args:
+        values: the flag values, by name.
+        defaults: a trainer's `TRAINING_DEFAULTS` (train_steps, batch_size,
+            learning_rate, eval_every).
+
+    Returns:
+        A new dict with the keys of `values`; a flag given on the command
+        line keeps its value.
+    """
+    unset = {k: v for k, v in defaults.items() if k in values and values[k] is None}
+    return {**values, **unset}
+
+
 def set_defaults(*, train_steps, batch_size, learning_rate, eval_every):
-    """Sets a trainer's defaults of the four training flags (module level of its main module).
+    """Sets a trainer's defaults of the four training flags (its `__main__` block, for `--help`).
 
     A flag given on the command line keeps its value; one left out takes the
     new default, which `--help` shows.

@@ -7,16 +7,15 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from trainers import devices
+from tests import sync_fixtures
 
-devices.split_device("CPU", 4)
+sync_fixtures.split_cpu(4)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_bn  # noqa: E402
-from tests import sync_fixtures  # noqa: E402
 
 STATISTICS = (
     "moving_mean",

@@ -6,9 +6,9 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from trainers import devices
+from tests import sync_fixtures
 
-devices.split_device("CPU", 4)
+sync_fixtures.split_cpu(4)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -17,7 +17,6 @@ import tensorflow as tf  # noqa: E402
 from keras_bn import batch_normalization  # noqa: E402
 from keras_bn import batch_plan  # noqa: E402
 from keras_bn import moments  # noqa: E402
-from tests import sync_fixtures  # noqa: E402
 
 BatchNormalization = batch_normalization.BatchNormalization
 

@@ -4,6 +4,25 @@ import functools
 from unittest import mock
 
 
+def split_cpu(num_devices):
+    """Splits the CPU into `num_devices` logical devices, before TensorFlow starts them.
+
+    Several callers in one process agree: once TensorFlow has started, a
+    split into at least as many devices is kept, and fewer raise
+    TensorFlow's `RuntimeError`.
+    """
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices
+        )
+    except RuntimeError:
+        if len(tf.config.list_logical_devices("CPU")) < num_devices:
+            raise
+
+
 @functools.cache
 def mirrored_cpu_strategy(num_replicas):
     """One `MirroredStrategy` over logical CPUs 0..num_replicas-1 per process.
@@ -13,8 +32,7 @@ def mirrored_cpu_strategy(num_replicas):
     group with size 4, but that group has size 2"), which fails every later
     test of the process. So only the 4-replica strategy uses collective ops
     (CPU's default); the others reduce through one device, MirroredStrategy's
-    other supported mode. The caller splits the CPU first
-    (`trainers.devices.split_device`).
+    other supported mode. The caller splits the CPU first (`split_cpu`).
     """
     import tensorflow as tf  # Local: the references serve the JAX tests too.
 

@@ -170,7 +170,6 @@ TARGET_ACCURACY = flags.DEFINE_float(
 TRAINING_DEFAULTS = dict(
     train_steps=3_000_000, batch_size=32, learning_rate=None, eval_every=10_000
 )
-training_flags.set_defaults(**TRAINING_DEFAULTS)
 
 TRAINER = "trainers.inception_bn"  # Recorded in --model_dir (see trainers/preflight.py).
 # With --eval_bn_statistics=precise, in each run: the two statistics' accuracies in one chart.
@@ -422,7 +421,8 @@ def config_from_flags():
             weight_decay=WEIGHT_DECAY.value,
             decay_steps=DECAY_STEPS.value,
         )
-    values = {**summaries.flag_values(holders), "lr_sweep": lr_multipliers}
+    values = training_flags.with_defaults(summaries.flag_values(holders), TRAINING_DEFAULTS)
+    values["lr_sweep"] = lr_multipliers
     return Config(recipe=recipe, **values)
 
 
@@ -642,4 +642,5 @@ def run_lr_sweep(config, train_variant, num_classes, writes=True):
 
 
 if __name__ == "__main__":
+    training_flags.set_defaults(**TRAINING_DEFAULTS)  # Shown by --help; not at import.
     app.run(main)

@@ -99,7 +99,6 @@ TRAIN_SUBSET = flags.DEFINE_integer(
 )
 # This trainer's defaults of the shared training flags: the paper's §4.1 setup.
 TRAINING_DEFAULTS = dict(train_steps=50_000, batch_size=60, learning_rate=0.5, eval_every=500)
-training_flags.set_defaults(**TRAINING_DEFAULTS)
 
 TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/preflight.py).
 RUN_NAMES = mnist_model.RUN_NAMES
@@ -201,7 +200,8 @@ def config_from_flags():
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
-    return Config(**{**summaries.flag_values(holders), "lr_sweep": training_flags.lr_multipliers()})
+    values = training_flags.with_defaults(summaries.flag_values(holders), TRAINING_DEFAULTS)
+    return Config(**{**values, "lr_sweep": training_flags.lr_multipliers()})
 
 
 class MnistRun(skeleton.Task):
@@ -417,4 +417,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    training_flags.set_defaults(**TRAINING_DEFAULTS)  # Shown by --help; not at import.
     app.run(main)
