@@ -83,6 +83,7 @@ from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
+from trainers import console
 from trainers import image_data
 from trainers import inception_model
 from trainers import inception_recipes
@@ -570,6 +571,7 @@ def write_summary(config, history):
 
 
 def main(argv):
+    console.quiet_libraries()
     with preflight.one_line_errors("inception_bn"):
         if len(argv) > 1:
             raise preflight.InputError(f"Unexpected arguments: {argv[1:]}")
@@ -598,8 +600,34 @@ def main(argv):
             run_lr_sweep(config, train, spec.num_classes, writes=runner.is_chief)
         elif config.variant == "all":
             inception_table2.run(config, train, config_values, writes=runner.is_chief)
+            if runner.is_chief:
+                show_paths(config, "table2.md")
         else:
-            train(config)
+            history = train(config)
+            if runner.is_chief:
+                show_result(config, history)
+
+
+def show_result(config, history):
+    """The end of a one-variant run on the console: top-1, steps to the target, the paths."""
+    evals = history["evals"]
+    target = f"first step at top-1 {config.target_accuracy:.1%}"
+    row = (
+        config.variant,
+        evals[-1]["top1"] if evals else None,
+        max((e["top1"] for e in evals), default=None),
+        steps_to_target(evals, config.target_accuracy),
+    )
+    console.show([""] + console.table(["variant", "final top-1", "best top-1", target], [row]))
+    show_paths(config)
+
+
+def show_paths(config, *names):
+    """Where the run's results are: summary.json, `names` at the model_dir, TensorBoard."""
+    lines = [f"summary:     {os.path.join(config.model_dir, 'summary.json')}"]
+    lines += [f"{name + ':':<12} {os.path.join(config.model_dir, name)}" for name in names]
+    lines.append(f"TensorBoard: tensorboard --logdir {config.model_dir}")
+    console.show([""] + lines)
 
 
 def train_variant(config, spec, runner):

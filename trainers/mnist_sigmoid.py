@@ -53,7 +53,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -62,6 +61,7 @@ from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
+from trainers import console
 from trainers import lr_sweep
 from trainers import mnist_data
 from trainers import mnist_model
@@ -342,12 +342,22 @@ def write_results(config, runs, root):
         "config": dataclasses.asdict(config),
     }
     summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
-    logging.info(
-        "Summary: %s",
-        {
-            name: {k: v for k, v in run.items() if k != "per_seed"}
-            for name, run in summary["runs"].items()
-        },
+    seeds = f" (mean of {len(config.seeds)} seeds)" if len(config.seeds) > 1 else ""
+    rows = [
+        (name, run["final_test_accuracy"], run["best_test_accuracy"], run["first_step_97"])
+        for name, run in summary["runs"].items()
+    ]
+    console.show(
+        [""]
+        + console.table(
+            ["network", f"final accuracy{seeds}", "best accuracy", "first step at 97%"], rows
+        )
+        + [
+            "",
+            f"summary:     {os.path.join(config.model_dir, 'summary.json')}",
+            f"figure 1:    {os.path.join(config.model_dir, 'figure1.png')}",
+            f"TensorBoard: tensorboard --logdir {config.model_dir}",
+        ]
     )
 
 
@@ -380,6 +390,7 @@ def run_sweep(config, runner, data, root):
 
 
 def main(argv):
+    console.quiet_libraries()
     with preflight.one_line_errors("mnist_sigmoid"):
         if len(argv) > 1:
             raise preflight.InputError(f"Unexpected arguments: {argv[1:]}")

@@ -14,6 +14,8 @@ import struct
 import sys
 import tempfile
 
+from trainers import console
+
 MARKER = "trainer.json"
 LOCK = "trainer.lock"
 # The data files this process reads (`reads_data_files`).
@@ -36,6 +38,9 @@ class MissingDataError(InputError, FileNotFoundError):
 def one_line_errors(program):
     """Turns an `InputError` raised inside into `program: error: ...` on stderr, exit status 1.
 
+    A Ctrl-C ends in one line too, exit status 130: where the run stood and
+    its last checkpoint (`console.Interrupted`), or that it was interrupted.
+
     So too TensorFlow's `DataLossError`, a corrupt record met while reading
     data: the line names which of the files given to `reads_data_files`
     holds it (`corrupt_data_error`).
@@ -44,6 +49,12 @@ def one_line_errors(program):
         yield
     except InputError as error:
         sys.exit(f"{program}: error: {one_line(error)}")
+    except console.Interrupted as interrupted:
+        print(f"{program}: {interrupted}", file=sys.stderr)
+        sys.exit(130)  # The shell's status for a Ctrl-C.
+    except KeyboardInterrupt:
+        print(f"{program}: interrupted; relaunch the same command to resume", file=sys.stderr)
+        sys.exit(130)
     except _data_loss_errors() as error:
         named = corrupt_data_error(error, _DATA_FILES) if _DATA_FILES else None
         if named is None:

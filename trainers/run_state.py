@@ -60,6 +60,8 @@ class RunState:
         history: dict with "evals" (one record per evaluation), "steps",
             "wall_time_s", "identity", and "finished" once the end is logged.
         start: the step the run continues from (0 for a fresh run).
+        saved_step: the step of the newest checkpoint (`start`, then each
+            `save`'s).
         writer: the run's `tf.summary` writer (a no-op writer off the chief).
         is_chief: whether this process writes.
 
@@ -86,6 +88,7 @@ class RunState:
         self._history_path = os.path.join(run_dir, "history.json")
         identity = json.loads(json.dumps(identity))  # As the history file holds it.
         self.start = checkpointer.restore()
+        self.saved_step = self.start  # The newest checkpoint's step (0: none).
         self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0, "identity": identity}
         if self.start:
             self.history = self._committed_history(identity, allow_config_change)
@@ -153,6 +156,7 @@ class RunState:
     def save(self, step):
         """Checkpoints at `step` (every worker): step 3 of the commit order, after the flush."""
         self._checkpointer.save(step)
+        self.saved_step = step
 
     def end_writer(self):
         """A writer of the run's end-of-run summaries, in a file of their own (chief)."""

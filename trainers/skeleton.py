@@ -27,6 +27,7 @@ import keras
 from flags import distribution_flags as distribution_flags
 import keras_bn
 from keras_bn import population
+from trainers import console
 from trainers import preflight
 from trainers import run_state
 
@@ -221,29 +222,47 @@ def train_and_log(run, task, loop, run_steps, model):
     """
     history, step = run.history, run.start
     began = time.time() - history["wall_time_s"]
-    while step < loop.train_steps:
-        target = min(step - step % loop.eval_every + loop.eval_every, loop.train_steps)
-        interval_start, loss_sum, tick = step, 0.0, time.time()
-        while step < target:
-            n = min(loop.steps_per_execution or target - step, target - step)
-            loss_sum += float(run_steps(n)) * n
-            step += n
-        interval = {
-            "train_loss": loss_sum / (step - interval_start),
-            "steps": step - interval_start,
-            "seconds": time.time() - tick,
-        }
-        record = evaluate(task, loop, model, step, interval)
-        run.record(record, step, time.time() - began)
-        with run.writer.as_default(step=step):
-            task.write_summaries(record, history)
-        run.writer.flush()
-        run.save(step)
-        metrics = ", ".join(
-            f"{k} {v:.4g}" for k, v in record.items() if k != "step" and isinstance(v, float)
+    progress = console.Progress(loop.name, run.start, loop.train_steps)
+    position = {"step": step}  # Where training stands, also mid-interval.
+    while position["step"] < loop.train_steps:
+        try:
+            _interval(run, task, loop, run_steps, model, position, began)
+        except KeyboardInterrupt:
+            progress.end_line()
+            raise console.Interrupted(loop.name, position["step"], run.saved_step) from None
+        record = history["evals"][-1]
+        progress.update(
+            position["step"],
+            {k: v for k, v in record.items() if k != "step" and isinstance(v, float)},
         )
-        logging.info("%s step %d/%d: %s", loop.name, step, loop.train_steps, metrics)
     return history
+
+
+def _interval(run, task, loop, run_steps, model, position, began):
+    """Trains from `position["step"]` to the next evaluation, evaluates and commits it.
+
+    `position["step"]` follows every compiled chunk, so an interruption
+    knows the step it stopped at.
+    """
+    step = position["step"]
+    target = min(step - step % loop.eval_every + loop.eval_every, loop.train_steps)
+    interval_start, loss_sum, tick = step, 0.0, time.time()
+    while step < target:
+        n = min(loop.steps_per_execution or target - step, target - step)
+        loss_sum += float(run_steps(n)) * n
+        step += n
+        position["step"] = step
+    interval = {
+        "train_loss": loss_sum / (step - interval_start),
+        "steps": step - interval_start,
+        "seconds": time.time() - tick,
+    }
+    record = evaluate(task, loop, model, step, interval)
+    run.record(record, step, time.time() - began)
+    with run.writer.as_default(step=step):
+        task.write_summaries(record, run.history)
+    run.writer.flush()
+    run.save(step)
 
 
 def evaluate(task, loop, model, step, interval):

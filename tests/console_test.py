@@ -1,0 +1,184 @@
+"""What a trainer shows a person (`trainers/console.py`), and the trainers' console end to end."""
+
+import io
+import logging as std_logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import logging
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from tests import data_dirs
+from trainers import console
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class ProgressTest(absltest.TestCase):
+    def setUp(self):
+        super().setUp()
+        # Another test of the process may have lowered absl's verbosity.
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity(logging.INFO)
+        self.addCleanup(logging.set_verbosity, verbosity)
+
+    def test_a_log_file_gets_at_most_one_line_per_tenth_of_the_run(self):
+        progress = console.Progress("bn", 0, 1000, stream=io.StringIO())
+        with self.assertLogs(level="INFO") as logs:
+            for step in range(50, 1001, 50):  # 20 evaluations.
+                progress.update(step, {"accuracy": 0.5})
+        lines = [r.getMessage() for r in logs.records]
+        self.assertLen(lines, 10)
+        self.assertTrue(lines[0].startswith("bn step 100/1000: accuracy 0.5 ("), lines[0])
+        self.assertIn("steps/s", lines[0])
+        self.assertIn("left)", lines[0])
+        self.assertTrue(lines[-1].startswith("bn step 1000/1000"), lines[-1])
+        self.assertNotIn("left", lines[-1])
+
+    def test_a_resumed_run_counts_its_tenths_from_where_it_resumed(self):
+        progress = console.Progress("bn", 430, 1000, stream=io.StringIO())
+        with self.assertLogs(level="INFO") as logs:
+            for step in (450, 500, 550):
+                progress.update(step, {"loss": 1.0})
+        self.assertEqual(
+            [r.getMessage().split(":")[0] for r in logs.records],
+            ["bn step 500/1000"],
+        )
+
+    def test_a_terminal_gets_one_live_line_with_a_bar(self):
+        terminal = _Terminal()
+        progress = console.Progress("bn", 0, 100, stream=terminal)
+        for step in (50, 100):
+            progress.update(step, {"loss": 0.25})
+        text = terminal.getvalue()
+        self.assertEqual(text.count("\r"), 2)
+        self.assertIn("[##########..........] bn step 50/100: loss 0.25", text)
+        self.assertTrue(text.endswith("\n"))
+        self.assertEqual(text.count("\n"), 1)
+
+    def test_an_interrupted_live_line_is_ended(self):
+        terminal = _Terminal()
+        progress = console.Progress("bn", 0, 100, stream=terminal)
+        progress.update(50, {"loss": 0.25})
+        progress.end_line()
+        self.assertTrue(terminal.getvalue().endswith("\n"))
+
+
+class ConsoleTextTest(parameterized.TestCase):
+    @parameterized.parameters((5, "5s"), (59.6, "1m00s"), (725, "12m05s"), (12000, "3h20m"))
+    def test_duration(self, seconds, text):
+        self.assertEqual(console.duration(seconds), text)
+
+    def test_table_aligns_columns_and_says_never_for_none(self):
+        lines = console.table(["network", "accuracy", "first"], [("bn", 0.98123, None)])
+        self.assertEqual(
+            lines,
+            ["network  accuracy  first", "-------  --------  -----", "bn       0.9812    never"],
+        )
+
+    def test_interrupted_names_the_step_and_the_checkpoint(self):
+        self.assertEqual(
+            str(console.Interrupted("bn seed 0", 1234, 1000)),
+            "bn seed 0: interrupted at step 1234; the last checkpoint is step 1000; relaunch "
+            "the same command to resume",
+        )
+        self.assertIn("none yet", str(console.Interrupted("bn", 10, 0)))
+
+    def test_library_info_is_dropped_and_their_warnings_kept(self):
+        console.quiet_libraries()
+        console.quiet_libraries()  # Once is enough: no second filter.
+        handler = logging.get_absl_handler()
+        filters = [f for f in handler.filters if type(f).__name__ == "_LibraryInfo"]
+        self.assertLen(filters, 1)
+
+        def record(path, level):
+            return std_logging.LogRecord("x", level, path, 1, "m", (), None)
+
+        library = "/site-packages/tensorflow/python/checkpoint/functional_saver.py"
+        self.assertFalse(filters[0].filter(record(library, std_logging.INFO)))
+        self.assertTrue(filters[0].filter(record(library, std_logging.WARNING)))
+        self.assertTrue(filters[0].filter(record("/repo/trainers/skeleton.py", std_logging.INFO)))
+
+
+def _trainer(model_dir, *args, engine="tensorflow"):
+    """`python -m trainers.mnist_sigmoid` on real MNIST, Ctrl-C delivered as in a terminal."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainers.mnist_sigmoid",
+            f"--data_dir={data_dirs.SHARED_DATA}",
+            f"--model_dir={model_dir}",
+            *args,
+        ],
+        cwd=_REPO,
+        env=dict(os.environ, KERAS_BACKEND=engine),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # A background job ignores SIGINT; a person's Ctrl-C reaches a foreground one.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+class TrainerConsoleTest(parameterized.TestCase):
+    def setUp(self):
+        super().setUp()
+        if not os.path.isdir(os.path.join(data_dirs.SHARED_DATA, "mnist")):
+            self.skipTest(f"real MNIST not present at {data_dirs.SHARED_DATA}")
+
+    def test_a_run_ends_with_the_table_and_the_paths_in_few_lines(self):
+        model_dir = tempfile.mkdtemp()
+        process = _trainer(model_dir, "--train_steps=2000", "--eval_every=50")
+        out, _ = process.communicate(timeout=600)
+        self.assertEqual(process.returncode, 0, out[-3000:])
+        lines = out.splitlines()
+        # 40 evaluations per network, at most 10 lines each, and the end.
+        self.assertLessEqual(len(lines), 60, out)
+        self.assertNotIn("Sharding callback", out)
+        self.assertEqual(len([x for x in lines if "seed 0 step" in x]), 20, out)
+        self.assertRegex(out, r"network +final accuracy +best accuracy +first step at 97%")
+        self.assertRegex(out, r"\nbaseline +0\.\d{4} +0\.\d{4} +(\d+|never)\n")
+        self.assertRegex(out, r"\nbatch_norm +0\.\d{4} +0\.\d{4} +(\d+|never)\n")
+        self.assertEqual(
+            lines[-3:],
+            [
+                f"summary:     {os.path.join(model_dir, 'summary.json')}",
+                f"figure 1:    {os.path.join(model_dir, 'figure1.png')}",
+                f"TensorBoard: tensorboard --logdir {model_dir}",
+            ],
+        )
+
+    @parameterized.parameters("tensorflow", "jax")
+    def test_ctrl_c_ends_in_one_line(self, engine):
+        model_dir = tempfile.mkdtemp()
+        process = _trainer(model_dir, "--train_steps=1000000", engine=engine)
+        # The first evaluation's history: training has started, and goes on.
+        history = os.path.join(model_dir, "baseline", "history.json")
+        deadline = time.time() + 300
+        while not os.path.exists(history) and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=120)
+        self.assertEqual(process.returncode, 130, out[-3000:])
+        self.assertNotIn("Traceback", out)
+        self.assertRegex(
+            out.strip().splitlines()[-1],
+            r"^mnist_sigmoid: baseline seed 0: interrupted at step \d+; the last checkpoint "
+            r"is (step \d+|none yet \(it restarts at 0\)); relaunch the same command to resume$",
+        )
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,135 @@
+"""What a trainer shows a person: its progress, its results, and a one-line interruption.
+
+Every evaluation still goes to TensorBoard and history.json; the console gets
+what a person reads. On a terminal each run shows one live line (step, the
+latest metrics, steps/s, time left); in a log file at most one line per tenth
+of the run. The libraries' own progress chatter (a line per checkpoint write
+from TensorFlow, TFDS's dataset notes) is left out; their warnings are not.
+"""
+
+import logging as std_logging
+import math
+import sys
+import time
+
+from absl import logging
+
+# TensorFlow (a line per checkpoint write), TFDS (a note per dataset it
+# opens), orbax (some twenty lines per checkpoint) and JAX log their routine
+# notes at INFO through absl, as the trainers do.
+_QUIET_INFO_PACKAGES = ("tensorflow", "tensorflow_datasets", "orbax", "jax")
+
+
+class _LibraryInfo(std_logging.Filter):
+    """Drops INFO records (and below) logged from `_QUIET_INFO_PACKAGES`."""
+
+    def filter(self, record):
+        quiet = any(f"/{package}/" in record.pathname for package in _QUIET_INFO_PACKAGES)
+        return record.levelno >= std_logging.WARNING or not quiet
+
+
+def quiet_libraries():
+    """Keeps the libraries' INFO records off the console; their warnings stay.
+
+    TensorFlow logs every checkpoint write ("Sharding callback duration"),
+    orbax each step of one, TFDS each dataset it opens. TensorFlow's C++
+    start-up lines (oneDNN, CUDA probing) come before Python can filter
+    them; TensorFlow 2.21 prints them whatever `TF_CPP_MIN_LOG_LEVEL` says.
+    """
+    handler = logging.get_absl_handler()
+    if not any(isinstance(f, _LibraryInfo) for f in handler.filters):
+        handler.addFilter(_LibraryInfo())
+
+
+def duration(seconds):
+    """`seconds` as a short duration: 45s, 12m05s, 3h20m."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """One run's progress, reported after each evaluation.
+
+    Args:
+        name: the run's name, at the start of each line.
+        start: the step the run starts (or resumes) at.
+        total: the run's last step.
+        stream: where a terminal's live line goes (default stderr); on
+            anything that is not a terminal each report is an absl INFO
+            line, at most one per tenth of the run (and the last step).
+    """
+
+    def __init__(self, name, start, total, stream=None):
+        self.name, self.start, self.total = name, start, total
+        self.stream = sys.stderr if stream is None else stream
+        self.live = self.stream.isatty()
+        self.began = time.monotonic()
+        self.tenth = max(1, math.ceil(total / 10))
+        self.next_line = (start // self.tenth + 1) * self.tenth
+
+    def update(self, step, metrics):
+        """Reports `step` with `metrics` (name → float), with steps/s and time left."""
+        seconds = time.monotonic() - self.began
+        rate = (step - self.start) / seconds if seconds > 0 else 0.0
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        pace = f"{rate:.1f} steps/s"
+        if rate > 0 and step < self.total:
+            pace += f", {duration((self.total - step) / rate)} left"
+        text = f"{self.name} step {step}/{self.total}: {shown} ({pace})"
+        if self.live:
+            filled = 20 * step // max(self.total, 1)
+            bar = "#" * filled + "." * (20 - filled)
+            self.stream.write(f"\r\033[K[{bar}] {text}")
+            if step >= self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+        elif step >= self.next_line or step >= self.total:
+            logging.info("%s", text)
+            self.next_line = (step // self.tenth + 1) * self.tenth
+
+    def end_line(self):
+        """Ends a live line cut short (an interruption), so what follows starts afresh."""
+        if self.live:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run: the step it stood at and its last checkpoint."""
+
+    def __init__(self, name, step, checkpoint):
+        super().__init__(name, step, checkpoint)
+        self.name, self.step, self.checkpoint = name, step, checkpoint
+
+    def __str__(self):
+        last = f"step {self.checkpoint}" if self.checkpoint else "none yet (it restarts at 0)"
+        return (
+            f"{self.name}: interrupted at step {self.step}; the last checkpoint is {last}; "
+            "relaunch the same command to resume"
+        )
+
+
+def table(headers, rows):
+    """Rows as an aligned plain-text table (a list of lines)."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _cell(value):
+    if value is None:
+        return "never"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def show(lines):
+    """Prints `lines` to stdout: results a person reads, without log prefixes."""
+    print("\n".join(lines), flush=True)
