@@ -21,10 +21,11 @@ import tensorflow_datasets as tfds
 
 from tests import data_dirs
 from tests import flag_state
+from trainers import data_checks
+from trainers import errors
 from trainers import image_data
 from trainers import inception_bn
 from trainers import inception_recipes
-from trainers import preflight
 
 FASHION_MNIST_DIR = data_dirs.SHARED_DATA
 # Fashion-MNIST's spec, as dataset_spec derives it from the prepared copy.
@@ -251,7 +252,7 @@ class DatasetSpecTest(parameterized.TestCase):
         self.assertEqual(spec.splits, ("train", "test"))
         image_data.check_prepared(spec, FASHION_MNIST_DIR, 60_000)  # All there: no error.
         with self.assertRaisesRegex(
-            preflight.InputError,
+            errors.InputError,
             r"^A training batch cannot be larger than the 60000 training examples of "
             r"fashion_mnist's train split: pass --batch_size=60000 or less\. "
             r"Received: batch_size=60001$",
@@ -264,12 +265,12 @@ class DatasetSpecTest(parameterized.TestCase):
         ("no_image_feature", "imdb_reviews", r"no 'image' and 'label' features.*'text'"),
     )
     def test_unusable_dataset_is_refused(self, name, message):
-        with self.assertRaisesRegex(preflight.MissingDataError, message) as caught:
+        with self.assertRaisesRegex(errors.MissingDataError, message) as caught:
             image_data.dataset_spec(name, tempfile.mkdtemp())
         self.assertLess(len(str(caught.exception)), 300)  # Not TFDS's list of every name.
 
     def test_unprepared_dataset_names_the_command(self):
-        with self.assertRaisesRegex(preflight.MissingDataError, r"tfds build fashion_mnist"):
+        with self.assertRaisesRegex(errors.MissingDataError, r"tfds build fashion_mnist"):
             image_data.check_prepared(FASHION_MNIST, tempfile.mkdtemp(), 32)
 
     def test_fake_data_has_the_spec_classes(self):
@@ -309,7 +310,7 @@ class CorruptDataTest(parameterized.TestCase):
     )
     def test_check_names_the_shard(self, damage, problem):
         data_dir, path = _damaged_copy(damage)
-        with self.assertRaisesRegex(preflight.CorruptDataError, problem) as caught:
+        with self.assertRaisesRegex(errors.CorruptDataError, problem) as caught:
             image_data.check_prepared(TINY, data_dir, 4)
         self.assertIn(f"has a corrupt shard, {path}: ", str(caught.exception))
 
@@ -317,19 +318,19 @@ class CorruptDataTest(parameterized.TestCase):
         """Above VERIFY_BYTES a truncation shows in the sizes; a bad checksum waits for reading."""
         truncated, path = _damaged_copy(_truncate)
         flipped, _ = _damaged_copy(_flip_a_data_byte)
-        verify_bytes, preflight.VERIFY_BYTES = preflight.VERIFY_BYTES, 0
+        verify_bytes, data_checks.VERIFY_BYTES = data_checks.VERIFY_BYTES, 0
         try:
-            with self.assertRaisesRegex(preflight.CorruptDataError, f"corrupt shard, {path}: "):
+            with self.assertRaisesRegex(errors.CorruptDataError, f"corrupt shard, {path}: "):
                 image_data.check_prepared(TINY, truncated, 4)
             image_data.check_prepared(TINY, flipped, 4)
         finally:
-            preflight.VERIFY_BYTES = verify_bytes
+            data_checks.VERIFY_BYTES = verify_bytes
 
     def test_reading_error_names_the_shard(self):
         data_dir, path = _damaged_copy(_flip_a_data_byte, shard=2)
         with self.assertRaises(tf.errors.DataLossError) as caught:
             _batches(_dataset("train", data_dir=data_dir), 1)
-        error = preflight.corrupt_data_error(
+        error = data_checks.corrupt_data_error(
             caught.exception, image_data.shard_paths(TINY, data_dir)
         )
         self.assertRegex(

@@ -14,10 +14,10 @@ from tests import flag_state
 from tests import image_data_test
 from tests import inception_bn_test
 from tests import tensorboard_events
+from trainers import errors
 from trainers import inception_bn
 from trainers import inception_recipes
 from trainers import inception_table2
-from trainers import preflight
 
 
 def setUpModule():
@@ -266,7 +266,7 @@ class SeedsTest(parameterized.TestCase):
     def test_several_seeds_need_all(self):
         with flag_state.trainer_flags(inception_bn, num_seeds=2, variant="bn_x5"):
             with self.assertRaisesRegex(
-                preflight.InputError,
+                errors.InputError,
                 r"--num_seeds > 1 repeats.*Received: num_seeds=2, variant=bn_x5",
             ):
                 inception_bn.config_from_flags()

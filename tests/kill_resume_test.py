@@ -29,7 +29,7 @@ import pytest
 from tests import data_dirs
 from tests import run_outputs
 from tests import tensorboard_events
-from trainers import preflight
+from trainers import model_dirs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_TIMEOUT_S = 300
@@ -129,7 +129,7 @@ def _wait_and_kill(process, when, model_dir, run_dir, rng, duration_s):
     `duration_s` is an uninterrupted launch's time, which bounds the random moments.
     """
     deadline = time.time() + _LAUNCH_TIMEOUT_S
-    first_file = os.path.join(model_dir, preflight.LOCK)  # Taken just before trainer.json.
+    first_file = os.path.join(model_dir, model_dirs.LOCK)  # Taken just before trainer.json.
     if when == "at its first file":
         kill_at = deadline
     elif when == "while starting":

@@ -18,10 +18,10 @@ from tests import data_dirs
 from tests import flag_state
 from tests import inception_bn_test
 from tests import tensorboard_events
+from trainers import errors
 from trainers import inception_bn
 from trainers import lr_sweep
 from trainers import mnist_sigmoid
-from trainers import preflight
 
 LN10 = math.log(10)
 
@@ -168,7 +168,7 @@ class FlagsTest(parameterized.TestCase):
     def test_inception_sweep_keeps_the_recipes(self, values, received):
         with flag_state.trainer_flags(inception_bn, lr_sweep=["1", "5"], **values):
             with self.assertRaisesRegex(
-                preflight.InputError,
+                errors.InputError,
                 rf"--lr_sweep trains the inception and bn_baseline.*{received}",
             ):
                 inception_bn.config_from_flags()
@@ -177,7 +177,7 @@ class FlagsTest(parameterized.TestCase):
         if keras.backend.backend() != "jax":
             self.skipTest("The sweep's LRN builds on TensorFlow")
         with flag_state.trainer_flags(inception_bn, lr_sweep=["1"]):
-            with self.assertRaisesRegex(preflight.InputError, r"TensorFlow only.*engine=jax"):
+            with self.assertRaisesRegex(errors.InputError, r"TensorFlow only.*engine=jax"):
                 inception_bn.config_from_flags()
 
     @parameterized.parameters("bn_x5", "all")

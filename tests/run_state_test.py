@@ -22,8 +22,8 @@ from tests import inception_bn_test
 from tests import mnist_sigmoid_test
 from tests import run_outputs
 from tests import tensorboard_events
+from trainers import errors
 from trainers import event_files
-from trainers import preflight
 
 _run = mnist_sigmoid_test._run
 
@@ -66,7 +66,7 @@ class ConfigChangeTest(_Trainer):
     def test_relaunch_with_other_seed_and_batch_is_refused_in_one_line(self):
         self.run_trainer(train_steps=4)
         with self.assertRaisesRegex(
-            (preflight.InputError, SystemExit),
+            (errors.InputError, SystemExit),
             r"holds a run at step 4 with other settings \(batch_size=20 → 10, seed=1 → 2\).*"
             r"--allow_config_change",
         ):
@@ -143,7 +143,7 @@ class CheckpointFallbackTest(_Trainer):
             for path in _tf_checkpoint_files(self.run_dir, step):
                 _garble(path)
         with self.assertRaisesRegex(
-            (preflight.InputError, SystemExit),
+            (errors.InputError, SystemExit),
             r"No checkpoint in .* is readable \(.*ckpt-8, .*ckpt-4\)",
         ):
             self.run_trainer(train_steps=12)

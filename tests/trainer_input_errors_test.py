@@ -15,7 +15,9 @@ from absl.testing import parameterized
 import pytest
 
 from tests import data_dirs
-from trainers import preflight
+from trainers import data_checks
+from trainers import errors
+from trainers import model_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIMIT_S = 15
@@ -101,7 +103,7 @@ def _unwritable_dir():
 
 def _owned_by(trainer):
     model_dir = tempfile.mkdtemp()
-    with open(os.path.join(model_dir, preflight.MARKER), "w") as f:
+    with open(os.path.join(model_dir, model_dirs.MARKER), "w") as f:
         json.dump({"trainer": trainer}, f)
     return model_dir
 
@@ -373,9 +375,9 @@ class InputErrorTest(parameterized.TestCase):
         )
         program = (
             "import sys, tensorflow as tf\n"
-            "from trainers import preflight\n"
-            "preflight.reads_data_files(sys.argv[1:])\n"
-            "with preflight.one_line_errors('reader'):\n"
+            "from trainers import data_checks, errors\n"
+            "data_checks.reads_data_files(sys.argv[1:])\n"
+            "with errors.one_line_errors('reader'):\n"
             "    list(tf.data.TFRecordDataset(sys.argv[1:]))\n"
         )
         line = self._fails_in_one_line("-c", [program, test, shard], r"^reader: error: ")
@@ -392,8 +394,8 @@ class InputErrorTest(parameterized.TestCase):
         data_dir = _fashion_mnist(_checksum_error)
         program = (
             "from absl import app\n"
-            "from trainers import inception_bn, preflight\n"
-            "preflight.VERIFY_BYTES = 0  # As for ImageNet: the checksums are not read up front.\n"
+            "from trainers import data_checks, inception_bn\n"
+            "data_checks.VERIFY_BYTES = 0  # As ImageNet: the checksums are not read up front.\n"
             "app.run(inception_bn.main)\n"
         )
         args = [
@@ -417,14 +419,14 @@ class InputErrorTest(parameterized.TestCase):
 
     def test_marker_records_the_trainer_and_admits_it_again(self):
         model_dir = tempfile.mkdtemp()
-        preflight.claim_model_dir(model_dir, "trainers.mnist_sigmoid")
-        self.assertEqual(preflight.model_dir_owner(model_dir), "trainers.mnist_sigmoid")
-        preflight.check_model_dir(model_dir, "trainers.mnist_sigmoid")
-        with self.assertRaisesRegex(preflight.InputError, r"holds a run of trainers.mnist_sigmoid"):
-            preflight.check_model_dir(model_dir, "trainers.inception_bn")
+        model_dirs.claim_model_dir(model_dir, "trainers.mnist_sigmoid")
+        self.assertEqual(model_dirs.model_dir_owner(model_dir), "trainers.mnist_sigmoid")
+        model_dirs.check_model_dir(model_dir, "trainers.mnist_sigmoid")
+        with self.assertRaisesRegex(errors.InputError, r"holds a run of trainers.mnist_sigmoid"):
+            model_dirs.check_model_dir(model_dir, "trainers.inception_bn")
 
     def test_complete_data_passes(self):
-        preflight.check_tfds_data(_fake_mnist(), "mnist", ("train", "test"), "")
+        data_checks.check_tfds_data(_fake_mnist(), "mnist", ("train", "test"), "")
 
     def test_shard_lacking_records_is_corrupt(self):
         data_dir = _fake_mnist()
@@ -435,11 +437,11 @@ class InputErrorTest(parameterized.TestCase):
         with open(info_path, "w") as f:
             json.dump(info, f)
         with self.assertRaisesRegex(
-            preflight.CorruptDataError,
+            errors.CorruptDataError,
             r"mnist-test.tfrecord-00000-of-00001: it holds 10 records where dataset_info.json "
             r"lists 11\.",
         ):
-            preflight.check_tfds_data(data_dir, "mnist", ("train", "test"), "")
+            data_checks.check_tfds_data(data_dir, "mnist", ("train", "test"), "")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ from tests import flag_state
 from tests import mnist_sigmoid_test
 from tests import multi_worker
 from tests import tensorboard_events
+from trainers import errors
 from trainers import event_files
 from trainers import jax_runner
-from trainers import preflight
+from trainers import model_dirs
 
 if keras.backend.backend() != "jax":
     pytest.skip(
@@ -112,7 +113,7 @@ class OrbaxCheckpointerTest(absltest.TestCase):
 
         other, other_optimizer = _tiny_model(5)
         checkpointer = jax_runner.OrbaxCheckpointer(run_dir, 2, other, other_optimizer)
-        with self.assertRaisesRegex(preflight.InputError, r"checkpoints/6 is of another model"):
+        with self.assertRaisesRegex(errors.InputError, r"checkpoints/6 is of another model"):
             checkpointer.restore()
         checkpointer.close()
 
@@ -125,8 +126,8 @@ class FileUrlAndDamagedCheckpointsTest(absltest.TestCase):
         run_dir = os.path.join(model_dir, "batch_norm")
         _run_at_file_url(model_dir, train_steps=4)
         self.assertEqual(_checkpoints(run_dir), ["4"])
-        # preflight locked the URL's local directory.
-        self.assertTrue(os.path.exists(os.path.join(model_dir, preflight.LOCK)))
+        # model_dirs locked the URL's local directory.
+        self.assertTrue(os.path.exists(os.path.join(model_dir, model_dirs.LOCK)))
         summary = _run_at_file_url(model_dir, train_steps=8)
         self.assertEqual(summary["runs"]["batch_norm"]["steps"], 8)
         self.assertEqual([e["step"] for e in _history(run_dir)["evals"]], [4, 8])
@@ -149,7 +150,7 @@ class FileUrlAndDamagedCheckpointsTest(absltest.TestCase):
 
         for step in ("8", "12"):
             _damage(os.path.join(run_dir, "checkpoints", step))
-        # The trainer ends with the checkpointer's `preflight.InputError` as one line.
+        # The trainer ends with the checkpointer's `errors.InputError` as one line.
         with self.assertRaises(SystemExit) as raised:
             mnist_sigmoid_test._run(model_dir, norm="batch_norm", train_steps=16)
         message = str(raised.exception.code)

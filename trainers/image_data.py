@@ -30,7 +30,8 @@ import difflib
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from trainers import preflight
+from trainers import data_checks
+from trainers import errors
 
 IMAGENET = "imagenet2012"
 NUM_CLASSES = 1000  # imagenet2012's; fake data uses it too.
@@ -85,7 +86,7 @@ def dataset_spec(name, data_dir):
     """The `DatasetSpec` of TFDS data set `name`, from its info (read, never downloaded).
 
     Raises:
-        preflight.MissingDataError: TFDS knows no data set `name`, or it has
+        errors.MissingDataError: TFDS knows no data set `name`, or it has
             no `image`/`label` features, no "train" split, or no evaluation split.
     """
     if name == IMAGENET:
@@ -93,16 +94,16 @@ def dataset_spec(name, data_dir):
     try:
         info = tfds.builder(name, data_dir=data_dir).info
     except tfds.core.registered.DatasetNotFoundError:
-        raise preflight.MissingDataError(_unknown_dataset(name)) from None
+        raise errors.MissingDataError(_unknown_dataset(name)) from None
     features = info.features
     if "image" not in features or "label" not in features:
-        raise preflight.MissingDataError(
+        raise errors.MissingDataError(
             f"--dataset={name} has no 'image' and 'label' features (it has {list(features)})."
         )
     splits = list(info.splits) or ["train", "test"]  # Unprepared: the usual names.
     eval_split = next((s for s in ("validation", "test") if s in splits), None)
     if "train" not in splits or eval_split is None:
-        raise preflight.MissingDataError(
+        raise errors.MissingDataError(
             f"--dataset={name} needs a 'train' and a 'validation' or 'test' split; it has {splits}."
         )
     return DatasetSpec(name, features["label"].num_classes, eval_split)
@@ -179,19 +180,19 @@ def preprocess_eval(image, image_size, crop=0.875):
 def check_prepared(spec, data_dir, batch_size):
     """Checks, before training, that `spec`'s data under `data_dir` can serve a run.
 
-    Both splits must be prepared with intact shards (`preflight.check_tfds_data`:
+    Both splits must be prepared with intact shards (`data_checks.check_tfds_data`:
     a small data set is read whole, a large one checked by its sizes), and
     one batch of `batch_size` must fit in the training split.
 
     Raises:
-        preflight.InputError: a `MissingDataError` naming where it looked
+        errors.InputError: a `MissingDataError` naming where it looked
             (and, for ImageNet, how to prepare it), a `CorruptDataError`
             naming the shard, or a batch larger than the training split.
     """
     how_to_get = HOW_TO_GET if spec.name == IMAGENET else f"Run `tfds build {spec.name}`."
-    preflight.check_tfds_data(data_dir, spec.name, spec.splits, how_to_get)
+    data_checks.check_tfds_data(data_dir, spec.name, spec.splits, how_to_get)
     examples = _builder(spec, data_dir).info.splits["train"].num_examples
-    preflight.check_batch_size(batch_size, examples, f"{spec.name}'s train split")
+    data_checks.check_batch_size(batch_size, examples, f"{spec.name}'s train split")
 
 
 def shard_paths(spec, data_dir):
@@ -204,7 +205,7 @@ def _builder(spec, data_dir):
     """The TFDS builder of `spec`'s data set, prepared under `data_dir`.
 
     Raises:
-        preflight.MissingDataError (a FileNotFoundError): when the data set is
+        errors.MissingDataError (a FileNotFoundError): when the data set is
             not prepared there (the message names --data_dir and
             --use_fake_data).
     """
@@ -217,7 +218,7 @@ def _builder(spec, data_dir):
         how_to_get = (
             HOW_TO_GET if spec.name == IMAGENET else "Pass --use_fake_data for a smoke run."
         )
-        raise preflight.MissingDataError(
+        raise errors.MissingDataError(
             f"TFDS {spec.name!r} was not found under --data_dir={data_dir!r}. {how_to_get}"
         )
     return builder
@@ -244,7 +245,7 @@ def make_dataset(
     epoch of records: for ImageNet minutes).
 
     Raises:
-        preflight.MissingDataError (a FileNotFoundError): when the data set is
+        errors.MissingDataError (a FileNotFoundError): when the data set is
             not prepared under `data_dir` (the message names --data_dir and
             --use_fake_data).
     """

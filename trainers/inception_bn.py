@@ -84,12 +84,14 @@ from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
 from trainers import console
+from trainers import data_checks
+from trainers import errors
 from trainers import image_data
 from trainers import inception_model
 from trainers import inception_recipes
 from trainers import inception_table2
 from trainers import lr_sweep
-from trainers import preflight
+from trainers import model_dirs
 from trainers import skeleton
 from trainers import strategy as strategy_lib
 from trainers import summaries
@@ -172,7 +174,7 @@ TRAINING_DEFAULTS = dict(
     train_steps=3_000_000, batch_size=32, learning_rate=None, eval_every=10_000
 )
 
-TRAINER = "trainers.inception_bn"  # Recorded in --model_dir (see trainers/preflight.py).
+TRAINER = "trainers.inception_bn"  # Recorded in --model_dir (see trainers/model_dirs.py).
 # With --eval_bn_statistics=precise, in each run: the two statistics' accuracies in one chart.
 PRECISE_CHARTS = {
     "top-1, precise and moving BN statistics": [r"^eval/(moving_)?top1$"],
@@ -232,7 +234,7 @@ def _inception_x5_with_all(values):
 
 
 def check_seeds_and_sweep():
-    """Raises `preflight.InputError` for the --num_seeds and --lr_sweep combinations refused.
+    """Raises `errors.InputError` for the --num_seeds and --lr_sweep combinations refused.
 
     --num_seeds > 1 repeats --variant=all only; --lr_sweep trains the
     inception and bn_baseline recipes as they are (so no other --variant and
@@ -243,7 +245,7 @@ def check_seeds_and_sweep():
     """
     variant, seeds = VARIANT.value, run_flags.NUM_SEEDS.value
     if seeds > 1 and variant != "all":
-        raise preflight.InputError(
+        raise errors.InputError(
             "--num_seeds > 1 repeats Table 2 in miniature (--variant=all) over seeds; train one "
             "variant's seeds each with its own --seed and --model_dir. "
             f"Received: num_seeds={seeds}, variant={variant}"
@@ -255,14 +257,14 @@ def check_seeds_and_sweep():
     if variant not in (VARIANT.default, "all"):
         given.insert(0, f"variant={variant}")
     if given:
-        raise preflight.InputError(
+        raise errors.InputError(
             "--lr_sweep trains the inception and bn_baseline recipes as they are, each at its "
             "learning rate × each multiplier: drop --variant (or pass --variant=all), "
             "--learning_rate, --dropout, --weight_decay and --lr_decay_steps. "
             f"Received: {', '.join(given)}"
         )
     if distribution_flags.engine() != "tensorflow":
-        raise preflight.InputError(
+        raise errors.InputError(
             "--lr_sweep trains inception and bn_baseline, whose local response normalisation "
             "(tf.nn.local_response_normalization) builds on TensorFlow only: run the sweep "
             f"under KERAS_BACKEND=tensorflow. Received: engine={distribution_flags.engine()}"
@@ -379,7 +381,7 @@ def config_from_flags():
     """The `Config` of the parsed flags (called by `main` only).
 
     Raises:
-        preflight.InputError: for a refused --num_seeds or --lr_sweep
+        errors.InputError: for a refused --num_seeds or --lr_sweep
             combination (`check_seeds_and_sweep`).
     """
     holders = [
@@ -572,11 +574,11 @@ def write_summary(config, history):
 
 def main(argv):
     console.quiet_libraries()
-    with preflight.one_line_errors("inception_bn"):
+    with errors.one_line_errors("inception_bn"):
         if len(argv) > 1:
-            raise preflight.InputError(f"Unexpected arguments: {argv[1:]}")
+            raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
         config = config_from_flags()
-        preflight.check_model_dir(config.model_dir, TRAINER)
+        model_dirs.check_model_dir(config.model_dir, TRAINER)
         spec = image_data.dataset_spec(config.dataset, config.data_dir)
         # The strategy comes first: datasets and variables are created under it,
         # and a multi-worker strategy must start before TensorFlow's runtime,
@@ -584,16 +586,16 @@ def main(argv):
         runner = config.create_runner()
         if not config.use_fake_data:
             image_data.check_prepared(spec, config.data_dir, config.batch_size)
-            preflight.reads_data_files(image_data.shard_paths(spec, config.data_dir))
+            data_checks.reads_data_files(image_data.shard_paths(spec, config.data_dir))
         skeleton.check_replicas(config.loop(), runner.num_replicas)
         if runner.is_chief:
-            preflight.claim_model_dir(config.model_dir, TRAINER)
+            model_dirs.claim_model_dir(config.model_dir, TRAINER)
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     train = lambda one: train_variant(one, spec, runner)
     # A lost worker, too, ends the run in one line.
     with (
-        preflight.one_line_errors("inception_bn"),
+        errors.one_line_errors("inception_bn"),
         config.reporting_lost_workers(config.model_dir),
     ):
         if config.lr_sweep:

@@ -26,7 +26,8 @@ import re
 from absl import logging
 import numpy as np
 
-from trainers import preflight
+from trainers import errors
+from trainers import model_dirs
 
 _HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
@@ -51,7 +52,7 @@ def create_runner(name, num_cpu_devices=None):
     variables above) before JAX starts its backend.
 
     Raises:
-        preflight.InputError: if JAX started with fewer host devices than
+        errors.InputError: if JAX started with fewer host devices than
             `num_cpu_devices`.
     """
     import jax
@@ -65,7 +66,7 @@ def create_runner(name, num_cpu_devices=None):
         keras.distribution.initialize()
     local = jax.local_devices()
     if num_cpu_devices and len(local) < num_cpu_devices:
-        raise preflight.InputError(
+        raise errors.InputError(
             f"--num_cpu_devices={num_cpu_devices} needs JAX to start with that many host "
             f"devices, and it started with {len(local)} (XLA_FLAGS was read before the flag "
             "was applied)."
@@ -133,11 +134,11 @@ class JaxRunner:
         which a running process cannot change, so a run without it is refused.
 
         Raises:
-            preflight.InputError: on a GPU without that flag.
+            errors.InputError: on a GPU without that flag.
         """
         gpu = any(d.platform == "gpu" for d in self.devices)
         if gpu and _GPU_DETERMINISM not in os.environ.get("XLA_FLAGS", ""):
-            raise preflight.InputError(
+            raise errors.InputError(
                 f"--deterministic on JAX GPUs needs XLA_FLAGS={_GPU_DETERMINISM} set before the "
                 "trainer starts: set it, or pass --nodeterministic."
             )
@@ -313,7 +314,7 @@ class OrbaxCheckpointer:
 
         # Orbax's paths (etils.epath) read no file:// URLs, and its local
         # paths must be absolute.
-        local = preflight.local_path(run_dir)
+        local = model_dirs.local_path(run_dir)
         root = run_dir if local is None else os.path.abspath(local)
         self._dir = os.path.join(root, "checkpoints")
         self._variables = {"model": model.variables, "optimizer": optimizer.variables}
@@ -344,7 +345,7 @@ class OrbaxCheckpointer:
         replaces a step that exists when the run reaches it again.
 
         Raises:
-            preflight.InputError: if checkpoints exist but none is readable,
+            errors.InputError: if checkpoints exist but none is readable,
                 or the newest readable one holds another model's values.
         """
         steps = self.steps()
@@ -352,7 +353,7 @@ class OrbaxCheckpointer:
         for step in reversed(steps):
             try:
                 values = self._read(step)
-            except preflight.InputError:
+            except errors.InputError:
                 raise
             # Damaged files raise whatever the reader hits first (tensorstore's
             # ValueError, a JSON error, an OSError ...): any of them marks the step unreadable.
@@ -370,7 +371,7 @@ class OrbaxCheckpointer:
             logging.info("Resumed from %s at step %d", self._path(step), step)
             return step
         if unreadable:
-            raise preflight.InputError(
+            raise errors.InputError(
                 f"No checkpoint under {self._dir} is readable "
                 f"({', '.join(self._path(s) for s, _ in unreadable)}; the newest: "
                 f"{_one_line(unreadable[0][1])}); delete them to start afresh, or pass "
@@ -382,7 +383,7 @@ class OrbaxCheckpointer:
         """Checkpoint `step`'s values, laid out as the variables are.
 
         Raises:
-            preflight.InputError: if it holds another model's values.
+            errors.InputError: if it holds another model's values.
         """
         import jax
         import orbax.checkpoint as ocp
@@ -403,7 +404,7 @@ class OrbaxCheckpointer:
         return self._manager.restore(step, args=ocp.args.StandardRestore(target))
 
     def _check_shapes(self, step, saved):
-        """Raises `preflight.InputError` unless `saved` (metadata) has the variables' shapes."""
+        """Raises `errors.InputError` unless `saved` (metadata) has the variables' shapes."""
         for owner, variables in self._variables.items():
             shapes = [tuple(m.shape) for m in (saved or {}).get(owner, [])]
             expected = [tuple(v.shape) for v in variables]
@@ -416,7 +417,7 @@ class OrbaxCheckpointer:
                     ),
                     f"it holds {len(shapes)} {owner} values, this {owner} has {len(expected)}",
                 )
-                raise preflight.InputError(
+                raise errors.InputError(
                     f"Checkpoint {self._path(step)} is of another model ({mismatch}); pass "
                     "another --model_dir, or delete its checkpoints to start afresh."
                 )
@@ -446,4 +447,4 @@ def _one_line(error, limit=400):
     settings) is left out: the cause comes before it.
     """
     text = str(error).split(" [tensorstore_spec=")[0]
-    return f"{type(error).__name__}: {preflight.one_line(text, limit)}"
+    return f"{type(error).__name__}: {errors.one_line(text, limit)}"

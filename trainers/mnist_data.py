@@ -4,7 +4,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from trainers import preflight
+from trainers import data_checks
+from trainers import errors
 
 HOW_TO_GET = (
     "To get MNIST, omit --data_dir and TFDS downloads it into its default directory (needs "
@@ -20,22 +21,22 @@ def check_prepared(data_dir, batch_size, train_subset=None):
     With `data_dir`, both splits must be prepared there; without, TFDS's
     default directory is checked if it holds a copy (else TFDS downloads one).
     The shards of a copy must be intact (read whole, in a fraction of a
-    second: `preflight.check_tfds_data`), and one batch of `batch_size` no
+    second: `data_checks.check_tfds_data`), and one batch of `batch_size` no
     larger than the training examples (the first `train_subset` of them).
 
     Raises:
-        preflight.InputError: a `MissingDataError` naming where it looked and
+        errors.InputError: a `MissingDataError` naming where it looked and
             how to get MNIST, a `CorruptDataError` naming the shard, or a
             batch larger than the training examples.
     """
-    if data_dir is not None or preflight.prepared_version_dir(None, "mnist"):
-        preflight.check_tfds_data(data_dir, "mnist", SPLITS, HOW_TO_GET)
-    examples = preflight.split_sizes(data_dir, "mnist").get("train", TRAIN_EXAMPLES)
+    if data_dir is not None or data_checks.prepared_version_dir(None, "mnist"):
+        data_checks.check_tfds_data(data_dir, "mnist", SPLITS, HOW_TO_GET)
+    examples = data_checks.split_sizes(data_dir, "mnist").get("train", TRAIN_EXAMPLES)
     if train_subset and train_subset < examples:
         examples, whose = train_subset, f"--train_subset={train_subset}"
     else:
         whose = "MNIST's train split"
-    preflight.check_batch_size(batch_size, examples, whose)
+    data_checks.check_batch_size(batch_size, examples, whose)
 
 
 def load_mnist(data_dir, split):
@@ -46,16 +47,16 @@ def load_mnist(data_dir, split):
     default directory, downloading MNIST there first if it is missing.
 
     Raises:
-        preflight.MissingDataError (a FileNotFoundError): when the prepared
+        errors.MissingDataError (a FileNotFoundError): when the prepared
             data set is not under `data_dir` (the message names the
             --data_dir flag and how to get MNIST).
-        preflight.CorruptDataError: when TensorFlow reads a bad record
+        errors.CorruptDataError: when TensorFlow reads a bad record
             (naming the shard).
     """
     try:
         dataset = tfds.load("mnist", split=split, data_dir=data_dir, download=data_dir is None)
     except (AssertionError, OSError, tfds.core.registered.DatasetNotFoundError) as error:
-        raise preflight.MissingDataError(
+        raise errors.MissingDataError(
             f"MNIST (TFDS 'mnist', split {split!r}) was not found under "
             f"--data_dir={data_dir!r} (None means TFDS's default). {HOW_TO_GET} "
             f"TFDS said: {error}"
@@ -66,7 +67,7 @@ def load_mnist(data_dir, split):
         batches = list(tfds.as_numpy(dataset.batch(10_000)))
     except tf.errors.DataLossError as error:  # In a copy not checked before (just downloaded).
         paths = tfds.builder("mnist", data_dir=data_dir).info.splits[split].filepaths
-        raise preflight.corrupt_data_error(error, [str(p) for p in paths]) from None
+        raise data_checks.corrupt_data_error(error, [str(p) for p in paths]) from None
     images = np.concatenate([b["image"] for b in batches])
     labels = np.concatenate([b["label"] for b in batches])
     return images.reshape(len(images), -1).astype(np.float32) / 255.0, labels.astype(np.int32)

@@ -62,11 +62,12 @@ from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
 from trainers import console
+from trainers import errors
 from trainers import lr_sweep
 from trainers import mnist_data
 from trainers import mnist_model
 from trainers import mnist_report
-from trainers import preflight
+from trainers import model_dirs
 from trainers import skeleton
 from trainers import strategy as strategy_lib
 from trainers import summaries
@@ -100,7 +101,7 @@ TRAIN_SUBSET = flags.DEFINE_integer(
 # This trainer's defaults of the shared training flags: the paper's §4.1 setup.
 TRAINING_DEFAULTS = dict(train_steps=50_000, batch_size=60, learning_rate=0.5, eval_every=500)
 
-TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/preflight.py).
+TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/model_dirs.py).
 RUN_NAMES = mnist_model.RUN_NAMES
 PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, c follows.
 PERCENTILES = mnist_report.PERCENTILES
@@ -344,7 +345,7 @@ def write_results(config, runs, root):
     summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
     seeds = f" (mean of {len(config.seeds)} seeds)" if len(config.seeds) > 1 else ""
     rows = [
-        (name, run["final_test_accuracy"], run["best_test_accuracy"], run["first_step_97"])
+        (name, run["final_test_accuracy"], run["best_test_accuracy"], _step(run["first_step_97"]))
         for name, run in summary["runs"].items()
     ]
     console.show(
@@ -359,6 +360,11 @@ def write_results(config, runs, root):
             f"TensorBoard: tensorboard --logdir {config.model_dir}",
         ]
     )
+
+
+def _step(value):
+    """A step (a mean over seeds is a float) as a whole number; None stays None (never)."""
+    return None if value is None else int(round(value))
 
 
 def sweep_config(config, multiplier):
@@ -391,11 +397,11 @@ def run_sweep(config, runner, data, root):
 
 def main(argv):
     console.quiet_libraries()
-    with preflight.one_line_errors("mnist_sigmoid"):
+    with errors.one_line_errors("mnist_sigmoid"):
         if len(argv) > 1:
-            raise preflight.InputError(f"Unexpected arguments: {argv[1:]}")
+            raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
         config = config_from_flags()
-        preflight.check_model_dir(config.model_dir, TRAINER)
+        model_dirs.check_model_dir(config.model_dir, TRAINER)
         # The runner comes first: datasets and variables are created under it,
         # and a multi-worker strategy must start before TensorFlow's runtime,
         # which the data checks (reading the shards) start.
@@ -403,11 +409,11 @@ def main(argv):
         mnist_data.check_prepared(config.data_dir, config.batch_size, config.train_subset)
         skeleton.check_replicas(config.loop(config.networks[0], config.seed), runner.num_replicas)
         if runner.is_chief:
-            preflight.claim_model_dir(config.model_dir, TRAINER)
+            model_dirs.claim_model_dir(config.model_dir, TRAINER)
         train, test = load_data(config)
     # A lost worker, too, ends the run in one line.
     with (
-        preflight.one_line_errors("mnist_sigmoid"),
+        errors.one_line_errors("mnist_sigmoid"),
         config.reporting_lost_workers(config.model_dir),
     ):
         root = None

@@ -29,8 +29,8 @@ import os
 from absl import logging
 import tensorflow as tf
 
+from trainers import errors
 from trainers import event_files
-from trainers import preflight
 from trainers import summaries
 
 
@@ -66,7 +66,7 @@ class RunState:
         is_chief: whether this process writes.
 
     Raises:
-        preflight.InputError: if the identity differs from the committed
+        errors.InputError: if the identity differs from the committed
             run's and `allow_config_change` is false, or no checkpoint is
             readable.
     """
@@ -110,7 +110,7 @@ class RunState:
         """The history up to the restored step, its identity checked against `identity`."""
         history = summaries.read_json(self._history_path, None)
         if history is None:
-            raise preflight.InputError(
+            raise errors.InputError(
                 f"{self._history_path} is missing, though a checkpoint of step {self.start} "
                 "exists: the run's evaluations are lost. Pass another --model_dir to start over."
             )
@@ -125,7 +125,7 @@ class RunState:
                 f"{k}={recorded.get(k)!r} → {identity.get(k)!r}" for k in changed
             )
             if not allow_config_change:
-                raise preflight.InputError(
+                raise errors.InputError(
                     f"{self._run_dir} holds a run at step {self.start} with other settings "
                     f"({differences}): relaunch with the run's settings, pass another "
                     "--model_dir, or pass --allow_config_change to continue it with these "

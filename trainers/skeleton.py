@@ -28,7 +28,7 @@ from flags import distribution_flags as distribution_flags
 import keras_bn
 from keras_bn import population
 from trainers import console
-from trainers import preflight
+from trainers import errors
 from trainers import run_state
 
 
@@ -135,16 +135,16 @@ class Task:
 
 
 def check_replicas(loop, num_replicas):
-    """Raises `preflight.InputError` if the batch or BN groups cannot split the replicas."""
+    """Raises `errors.InputError` if the batch or BN groups cannot split the replicas."""
     if loop.batch_size % num_replicas:
-        raise preflight.InputError(
+        raise errors.InputError(
             f"The global batch must split evenly over {num_replicas} replicas. "
             f"Received: batch_size={loop.batch_size}"
         )
     try:
         distribution_flags.check_sync_group_size(loop.sync_group_size, num_replicas)
     except ValueError as error:
-        raise preflight.InputError(str(error)) from None
+        raise errors.InputError(str(error)) from None
 
 
 def train_and_evaluate(task, loop, runner):
@@ -159,7 +159,7 @@ def train_and_evaluate(task, loop, runner):
         dict with "evals" (one record per evaluation), "steps" and "wall_time_s".
 
     Raises:
-        preflight.InputError (a ValueError): if the global batch does not
+        errors.InputError (a ValueError): if the global batch does not
             split evenly over the replicas, or the sync group size does not
             divide their number.
     """

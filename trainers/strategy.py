@@ -15,7 +15,7 @@ import re
 import keras
 
 from trainers import devices
-from trainers import preflight
+from trainers import errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class DistributionConfig:
 
         Wrap everything after the runner's creation in it (steps, evaluations
         and checkpoint saves all run collectives), inside
-        `preflight.one_line_errors`. Outside `multi_worker_mirrored` nothing
+        `errors.one_line_errors`. Outside `multi_worker_mirrored` nothing
         is turned. `model_dir` is where the chief's checkpoints are found.
         """
         if self.distribution_strategy != "multi_worker_mirrored":
@@ -70,7 +70,7 @@ class DistributionConfig:
         return _reporting_lost_workers(model_dir)
 
 
-class WorkerLostError(preflight.InputError):
+class WorkerLostError(errors.InputError):
     """A worker of a multi-worker run was lost: one line naming it and how to resume."""
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_bn import distribution
+from trainers import errors
 from trainers import loops
-from trainers import preflight
 
 
 class DistributeRunner:
@@ -166,7 +166,7 @@ class Checkpointer:
         """Restores the chief's newest readable checkpoint, if any; returns its step (0 if none).
 
         Raises:
-            preflight.InputError: if checkpoints exist and none is readable.
+            errors.InputError: if checkpoints exist and none is readable.
         """
         prefixes = [prefix for _, prefix in checkpoint_prefixes(self._chief_dir)]
         for prefix in prefixes:
@@ -179,14 +179,14 @@ class Checkpointer:
                 logging.warning(
                     "Checkpoint %s is unreadable, trying an older one: %s",
                     prefix,
-                    preflight.one_line(error, 200),
+                    errors.one_line(error, 200),
                 )
                 continue
             restored = int(self._step.numpy())
             logging.info("Resumed from %s at step %d", prefix, restored)
             return restored
         if prefixes:
-            raise preflight.InputError(
+            raise errors.InputError(
                 f"No checkpoint in {self._chief_dir} is readable ({', '.join(prefixes)}); "
                 "move them away to start the run over."
             )

@@ -1,186 +1,23 @@
-"""Checks of a trainer's --model_dir and data before any model is built.
+"""Checks of a data set before training, and the file a corrupt record came from.
 
-Bad input then ends the trainer with one line on stderr and exit status 1
-(`one_line_errors`), instead of a traceback minutes into a run. A model_dir
-records which trainer wrote it (`MARKER`), so another trainer cannot write
-its checkpoints and summaries over it.
+`check_tfds_data` looks at a prepared TFDS data set before any model is
+built: its version directory, its shard files, and as far as is cheap their
+TFRecord framing and checksums. What it cannot see, a corrupt record met in
+training, `one_line_errors` names through `name_corrupt_file`.
 """
 
-import contextlib
 import json
 import os
 import re
 import struct
-import sys
-import tempfile
 
-from trainers import console
+from trainers.errors import CorruptDataError
+from trainers.errors import InputError
+from trainers.errors import MissingDataError
+from trainers.model_dirs import is_remote
 
-MARKER = "trainer.json"
-LOCK = "trainer.lock"
 # The data files this process reads (`reads_data_files`).
 _DATA_FILES = []
-# The OS locks this process holds, by directory: kept until the process ends,
-# when the OS drops them, killed or not; a relaunch in the same process (a
-# test's resume) keeps the one it holds.
-_HELD_LOCKS = {}
-
-
-class InputError(ValueError):
-    """Bad flags, --model_dir or data: reported as one line, without a traceback."""
-
-
-class MissingDataError(InputError, FileNotFoundError):
-    """A data set that is not (completely) where the flags say."""
-
-
-@contextlib.contextmanager
-def one_line_errors(program):
-    """Turns an `InputError` raised inside into `program: error: ...` on stderr, exit status 1.
-
-    A Ctrl-C ends in one line too, exit status 130: where the run stood and
-    its last checkpoint (`console.Interrupted`), or that it was interrupted.
-
-    So too TensorFlow's `DataLossError`, a corrupt record met while reading
-    data: the line names which of the files given to `reads_data_files`
-    holds it (`corrupt_data_error`).
-    """
-    try:
-        yield
-    except InputError as error:
-        sys.exit(f"{program}: error: {one_line(error)}")
-    except console.Interrupted as interrupted:
-        print(f"{program}: {interrupted}", file=sys.stderr)
-        sys.exit(130)  # The shell's status for a Ctrl-C.
-    except KeyboardInterrupt:
-        print(f"{program}: interrupted; relaunch the same command to resume", file=sys.stderr)
-        sys.exit(130)
-    except _data_loss_errors() as error:
-        named = corrupt_data_error(error, _DATA_FILES) if _DATA_FILES else None
-        if named is None:
-            raise  # Not from the data files: a traceback says more than a guess.
-        sys.exit(f"{program}: error: {one_line(named)}")
-
-
-def _data_loss_errors():
-    """TensorFlow's `DataLossError` once TensorFlow is imported (before, nothing raises it)."""
-    tf = sys.modules.get("tensorflow")
-    return (tf.errors.DataLossError,) if tf is not None else ()
-
-
-def one_line(message, limit=None):
-    """`message` (an error, or any text) on one line, cut to `limit` characters if given."""
-    text = " ".join(str(message).split())  # One line, whatever the message held.
-    if limit is not None and len(text) > limit:
-        return text[:limit] + "..."
-    return text
-
-
-def _is_remote(path):
-    return "://" in path
-
-
-def local_path(path):
-    """`path` on this machine's file system (a `file://` URL's path), or None if remote."""
-    if path.startswith("file://"):
-        return path[len("file://") :]
-    return None if _is_remote(path) else path
-
-
-def check_model_dir(model_dir, trainer):
-    """Creates `model_dir` if needed and checks that `trainer` may write into it.
-
-    A remote path (gs://...) is only checked for another trainer's marker; a
-    `file://` URL is checked as its local path.
-
-    Raises:
-        InputError: if `model_dir` is an existing file, cannot be created or
-            written, or holds another trainer's run.
-    """
-    local = local_path(model_dir)
-    if local is not None:
-        if os.path.exists(local) and not os.path.isdir(local):
-            raise InputError(f"--model_dir={model_dir} is an existing file; pass a directory.")
-        try:
-            os.makedirs(local, exist_ok=True)
-            # A probe file: directory permissions alone do not show a
-            # read-only file system, and root passes every permission check.
-            with tempfile.TemporaryFile(dir=local):
-                pass
-        except OSError as error:
-            raise InputError(
-                f"--model_dir={model_dir} is not writable ({error.strerror or error}); "
-                "pass a directory this user can write."
-            ) from None
-    owner = model_dir_owner(model_dir)
-    if owner is not None and owner != trainer:
-        raise InputError(
-            f"--model_dir={model_dir} holds a run of {owner} ({os.path.join(model_dir, MARKER)}); "
-            f"{trainer} does not write into it: pass another --model_dir."
-        )
-
-
-def model_dir_owner(model_dir):
-    """The trainer recorded in `model_dir`'s marker, or None."""
-    import tensorflow as tf  # Local: remote paths need tf.io.gfile, local checks do not.
-
-    path = os.path.join(model_dir, MARKER)
-    if not tf.io.gfile.exists(path):
-        return None
-    with tf.io.gfile.GFile(path) as f:
-        text = f.read()
-    try:
-        return json.loads(text).get("trainer")
-    except (json.JSONDecodeError, AttributeError):
-        raise InputError(
-            f"{path} is not a trainer marker ({len(text)} bytes of other content); if this "
-            "directory holds the run you meant, delete that file and relaunch."
-        ) from None
-
-
-def lock_model_dir(model_dir):
-    """Takes `model_dir`'s OS file lock for this process, so no second launch writes there.
-
-    A remote directory (gs://...) has no OS lock and is not locked; a
-    `file://` URL is locked as its local path.
-
-    Raises:
-        InputError: if another process holds the lock, naming its pid and host.
-    """
-    import fcntl
-    import socket
-
-    local = local_path(model_dir)
-    key = None if local is None else os.path.realpath(local)
-    if key is None or key in _HELD_LOCKS:
-        return
-    handle = open(os.path.join(local, LOCK), "a+")  # Held open until the process ends.
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        owner = handle.read().strip() or "another process"
-        handle.close()
-        raise InputError(
-            f"--model_dir={model_dir} is in use by {owner}, which holds {LOCK}; wait for that "
-            "launch to end, or pass another --model_dir."
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
-    _HELD_LOCKS[key] = handle
-
-
-def claim_model_dir(model_dir, trainer):
-    """Locks `model_dir` and records `trainer` as its writer (the chief calls it once)."""
-    import tensorflow as tf
-
-    from trainers import summaries  # Atomic JSON: a kill never leaves half a marker.
-
-    tf.io.gfile.makedirs(model_dir)
-    lock_model_dir(model_dir)
-    summaries.write_json(os.path.join(model_dir, MARKER), {"trainer": trainer})
 
 
 def tfds_default_dir():
@@ -203,7 +40,7 @@ def check_tfds_data(data_dir, name, splits, how_to_get):
         CorruptDataError: naming the first shard found corrupt.
     """
     directory = data_dir or tfds_default_dir()
-    if _is_remote(directory):
+    if is_remote(directory):
         return
     where = f"--data_dir={data_dir}" if data_dir else f"TFDS's default directory {directory}"
     version_dir = prepared_version_dir(directory, name)
@@ -245,7 +82,7 @@ def split_sizes(data_dir, name):
 
     Empty when there is no readable local copy (a remote `data_dir` included).
     """
-    version_dir = None if _is_remote(data_dir or "") else prepared_version_dir(data_dir, name)
+    version_dir = None if is_remote(data_dir or "") else prepared_version_dir(data_dir, name)
     info = version_dir and _dataset_info(version_dir)
     return {
         split["name"]: sum(int(n) for n in split.get("shardLengths", []))
@@ -306,10 +143,6 @@ def _missing_files(directory, shards, splits):
             name for path, _ in shards[split] if (name := os.path.basename(path)) not in present
         ]
     return missing
-
-
-class CorruptDataError(InputError):
-    """A data file whose content is not what its data set's info says."""
 
 
 # TFRecord framing: a record's header is its length (8 bytes) and the length's
@@ -422,7 +255,7 @@ def corrupt_data_error(error, shard_paths):
     with a record there (whose framing is broken, without an offset).
     """
     what, offset = _data_loss(error)
-    local = [p for p in shard_paths if not _is_remote(p) and os.path.isfile(p)]
+    local = [p for p in shard_paths if not is_remote(p) and os.path.isfile(p)]
     if offset is None:
         named = [path for path in local if _record_starts(path)[1]]
     else:
@@ -454,3 +287,12 @@ def reads_data_files(paths):
     a corrupt record met later ends the run in one line naming its file.
     """
     _DATA_FILES[:] = paths
+
+
+def name_corrupt_file(error):
+    """The `CorruptDataError` naming which data file a `DataLossError` came from, or None.
+
+    None when this process recorded no data files (`reads_data_files`), or
+    none of them holds the bad record: a traceback then says more than a guess.
+    """
+    return corrupt_data_error(error, _DATA_FILES) if _DATA_FILES else None
