@@ -1,7 +1,7 @@
 r"""Training speed of the MNIST BN network on each engine: TensorFlow vs JAX, one device.
 
-Times the trainers' own step machinery (`trainers.tf_runner.DistributeRunner`
-and `trainers.jax_runner.JaxRunner`, `run_steps(n)` as `trainers.skeleton`
+Times the trainers' own step machinery (`trainers.engines.tf_runner.DistributeRunner`
+and `trainers.engines.jax_runner.JaxRunner`, `run_steps(n)` as `trainers.run.skeleton`
 calls it) on the paper's MNIST BN network (batch 60, SGD 0.5), the data
 from the trainer's tf.data pipeline. Each engine lives in a process of its
 own (`KERAS_BACKEND` is fixed per process), started once: it loads MNIST,
@@ -42,9 +42,9 @@ def serve(data_dir, chunk, rounds):
 
     import keras
 
-    from trainers import mnist_data
-    from trainers import mnist_model
-    from trainers import strategy as strategy_lib
+    from trainers.engines import strategy as strategy_lib
+    from trainers.mnist import data as mnist_data
+    from trainers.mnist import model as mnist_model
 
     images, labels = mnist_data.load_mnist(data_dir, "train")
     settings = dict(tpu=None, num_cpu_devices=None, num_gpu_devices=None, sync_group_size=None)

@@ -1,6 +1,6 @@
 r"""BN-Inception training throughput: keras_bn vs keras.layers.BatchNormalization.
 
-The same BN-Inception (trainers/inception_model.py, BN-x5 settings) is built
+The same BN-Inception (trainers/inception/model.py, BN-x5 settings) is built
 twice in one process, once with each BN layer, and trained with SGD on a
 fixed fake batch in a compiled step; images/sec are measured round-robin.
 Ratio = ours / Keras in images/sec (above 1.0 means ours is faster).
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from benchmarks import timing
 import keras_bn
-from trainers import inception_model
+from trainers.inception import model as inception_model
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Batch size.", lower_bound=2)
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 128, "Image size.", lower_bound=32)

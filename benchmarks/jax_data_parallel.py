@@ -1,7 +1,7 @@
 r"""The MNIST BN network under Keras 3's JAX `DataParallel`: keras_bn vs Keras' layer.
 
 Trains the paper's MNIST BN network (784-100-100-100-10, sigmoid;
-`trainers/mnist_model.py`) with `model.fit` under
+`trainers/mnist/model.py`) with `model.fit` under
 `keras.distribution.DataParallel` over 8 host devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, set here before JAX
 starts), with the same initial kernels and data order, once per BN layer:
@@ -61,7 +61,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Kernel initialisation and data order.",
 
 _LOAD = (
     "import sys, numpy as np\n"
-    "from trainers import mnist_data\n"
+    "from trainers.mnist import data as mnist_data\n"
     "data_dir = sys.argv[1] if sys.argv[1] != 'None' else None\n"
     "train, test = (mnist_data.load_mnist(data_dir, s) for s in ('train', 'test'))\n"
     "np.savez(sys.argv[2], x=train[0], y=train[1], x_test=test[0], y_test=test[1])\n"
@@ -91,7 +91,7 @@ def main(argv):
     from benchmarks import timing
     import keras_bn
     from tests import jax_programs
-    from trainers import mnist_model
+    from trainers.mnist import model as mnist_model
 
     if jax.device_count() < _REPLICAS.value:
         raise RuntimeError(f"JAX sees {jax.device_count()} devices; XLA_FLAGS was set too late.")

@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_bn  # noqa: E402
-from trainers import mnist_model  # noqa: E402
 from trainers import mnist_sigmoid  # noqa: E402
+from trainers.mnist import model as mnist_model  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 1000, "Training steps per timed sample.", lower_bound=100)
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed samples of each.", lower_bound=1)

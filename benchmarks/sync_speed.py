@@ -33,7 +33,7 @@ from absl import app
 from absl import flags
 
 from tests import sync_fixtures
-from trainers import devices
+from trainers.engines import devices
 
 _REPLICAS = flags.DEFINE_integer("replicas", 2, "Logical devices (replicas).", lower_bound=2)
 _DEVICE = flags.DEFINE_enum(

@@ -77,7 +77,7 @@ LR_SWEEP = flags.DEFINE_list(
     "1,5,30,100). mnist_sigmoid trains each network at --learning_rate × m, inception_bn the "
     "inception and bn_baseline recipes at the recipe's rate × m, each run in "
     "<model_dir>/<network>/lr_x<m>; lr_sweep.json, lr_sweep.md and lr_sweep.png at the "
-    "model_dir root compare them (trainers/lr_sweep.py). One seed.",
+    "model_dir root compare them (trainers/reporting/lr_sweep.py). One seed.",
 )
 
 

@@ -1,4 +1,4 @@
-"""What a trainer shows a person (`trainers/console.py`), and the trainers' console end to end."""
+"""What a trainer shows a person (`trainers/reporting/console.py`), end to end too."""
 
 import io
 import logging as std_logging
@@ -14,7 +14,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from tests import data_dirs
-from trainers import console
+from trainers.reporting import console
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +107,9 @@ class ConsoleTextTest(parameterized.TestCase):
         library = "/site-packages/tensorflow/python/checkpoint/functional_saver.py"
         self.assertFalse(filters[0].filter(record(library, std_logging.INFO)))
         self.assertTrue(filters[0].filter(record(library, std_logging.WARNING)))
-        self.assertTrue(filters[0].filter(record("/repo/trainers/skeleton.py", std_logging.INFO)))
+        self.assertTrue(
+            filters[0].filter(record("/repo/trainers/run/skeleton.py", std_logging.INFO))
+        )
 
 
 def _trainer(model_dir, *args, engine="tensorflow"):

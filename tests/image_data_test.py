@@ -21,11 +21,11 @@ import tensorflow_datasets as tfds
 
 from tests import data_dirs
 from tests import flag_state
-from trainers import data_checks
-from trainers import errors
-from trainers import image_data
 from trainers import inception_bn
-from trainers import inception_recipes
+from trainers.inception import data as image_data
+from trainers.inception import recipes as inception_recipes
+from trainers.run import data_checks
+from trainers.run import errors
 
 FASHION_MNIST_DIR = data_dirs.SHARED_DATA
 # Fashion-MNIST's spec, as dataset_spec derives it from the prepared copy.

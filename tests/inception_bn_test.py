@@ -18,11 +18,11 @@ import tensorflow as tf
 import keras_bn
 from tests import flag_state
 from tests import tensorboard_events
-from trainers import image_data
 from trainers import inception_bn
-from trainers import inception_model
-from trainers import inception_recipes
-from trainers import skeleton
+from trainers.inception import data as image_data
+from trainers.inception import model as inception_model
+from trainers.inception import recipes as inception_recipes
+from trainers.run import skeleton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

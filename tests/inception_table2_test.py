@@ -14,10 +14,10 @@ from tests import flag_state
 from tests import image_data_test
 from tests import inception_bn_test
 from tests import tensorboard_events
-from trainers import errors
 from trainers import inception_bn
-from trainers import inception_recipes
-from trainers import inception_table2
+from trainers.inception import recipes as inception_recipes
+from trainers.inception import table2 as inception_table2
+from trainers.run import errors
 
 
 def setUpModule():

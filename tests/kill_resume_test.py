@@ -29,7 +29,7 @@ import pytest
 from tests import data_dirs
 from tests import run_outputs
 from tests import tensorboard_events
-from trainers import model_dirs
+from trainers.run import model_dirs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_TIMEOUT_S = 300

@@ -18,10 +18,10 @@ from tests import data_dirs
 from tests import flag_state
 from tests import inception_bn_test
 from tests import tensorboard_events
-from trainers import errors
 from trainers import inception_bn
-from trainers import lr_sweep
 from trainers import mnist_sigmoid
+from trainers.reporting import lr_sweep
+from trainers.run import errors
 
 LN10 = math.log(10)
 

@@ -22,9 +22,9 @@ import tensorflow_datasets as tfds
 from tests import data_dirs
 from tests import flag_state
 from tests import tensorboard_events
-from trainers import mnist_data
-from trainers import mnist_model
 from trainers import mnist_sigmoid
+from trainers.mnist import data as mnist_data
+from trainers.mnist import model as mnist_model
 
 SHARED_DATA = data_dirs.SHARED_DATA
 
@@ -62,7 +62,7 @@ def _text(run_dir, tag):
 def _weights(run_dir):
     """The model's values in the run's latest checkpoint (either engine's format)."""
     checkpoints = os.path.join(run_dir, "checkpoints")
-    if keras.backend.backend() == "jax":  # trainers.jax_runner.OrbaxCheckpointer
+    if keras.backend.backend() == "jax":  # trainers.engines.jax_runner.OrbaxCheckpointer
         import orbax.checkpoint as ocp
 
         options = ocp.CheckpointManagerOptions(read_only=True)

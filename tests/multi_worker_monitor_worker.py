@@ -2,7 +2,7 @@
 
 Reads TF_CONFIG, builds a small model with synchronised keras_bn layers under
 MultiWorkerMirroredStrategy and trains it for 8 steps with the trainers' loop
-(`trainers.loops.make_multi_step`), calling a `keras_bn.BatchNormMonitor`'s
+(`trainers.engines.loops.make_multi_step`), calling a `keras_bn.BatchNormMonitor`'s
 hooks as `fit` would (logging every 2 steps into argv[1]/worker_<index>): Keras
 3.15's own `fit` fails under this strategy before its first step (its
 symbolic build reduces a PerReplica batch with `strategy.reduce`). Only the
@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_bn  # noqa: E402
-from trainers import loops  # noqa: E402
+from trainers.engines import loops  # noqa: E402
 
 STEPS, EVERY = 8, 2
 

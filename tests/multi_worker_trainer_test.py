@@ -24,10 +24,10 @@ import tensorflow as tf
 
 from tests import multi_worker
 from tests import tensorboard_events
-from trainers import event_files
 from trainers import inception_bn
-from trainers import inception_recipes
-from trainers import strategy as strategy_lib
+from trainers.engines import strategy as strategy_lib
+from trainers.inception import recipes as inception_recipes
+from trainers.run import event_files
 
 _TIMEOUT_S = 300
 _MODULE = "trainers.inception_bn"
@@ -170,7 +170,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
 # aborted by the coordination service's missed heartbeats.
 _RESET = (
     "Graph execution error:\n\nDetected at node while/CollectiveReduceV2_11 defined at (most "
-    'recent call last):\n  File "trainers/loops.py", line 38, in run\n\nCollective ops is '
+    'recent call last):\n  File "trainers/engines/loops.py", line 38, in run\n\nCollective ops is '
     "aborted by: recvmsg:Connection reset by peer\nAdditional GRPC error information from "
     "remote target /job:worker/replica:0/task:{peer} while calling "
     "/tensorflow.WorkerService/RecvBuf:\n\t [[{{{{node while/CollectiveReduceV2_11}}}}]]"

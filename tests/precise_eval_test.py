@@ -26,7 +26,7 @@ from tests import flag_state
 from tests import inception_bn_test
 from tests import mnist_sigmoid_test
 from tests import tensorboard_events
-from trainers import skeleton
+from trainers.run import skeleton
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,8 +22,8 @@ from tests import inception_bn_test
 from tests import mnist_sigmoid_test
 from tests import run_outputs
 from tests import tensorboard_events
-from trainers import errors
-from trainers import event_files
+from trainers.run import errors
+from trainers.run import event_files
 
 _run = mnist_sigmoid_test._run
 

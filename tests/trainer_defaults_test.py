@@ -7,8 +7,8 @@ from absl.testing import flagsaver
 from flags import training_flags
 from tests import flag_state
 from trainers import inception_bn
-from trainers import inception_recipes
 from trainers import mnist_sigmoid
+from trainers.inception import recipes as inception_recipes
 
 
 class TrainerDefaultsTest(absltest.TestCase):

@@ -1,9 +1,9 @@
-"""Validation of `trainers.devices.split_device`'s arguments."""
+"""Validation of `trainers.engines.devices.split_device`'s arguments."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from trainers import devices
+from trainers.engines import devices
 
 
 class SplitDeviceTest(parameterized.TestCase):

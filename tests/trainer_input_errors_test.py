@@ -15,9 +15,9 @@ from absl.testing import parameterized
 import pytest
 
 from tests import data_dirs
-from trainers import data_checks
-from trainers import errors
-from trainers import model_dirs
+from trainers.run import data_checks
+from trainers.run import errors
+from trainers.run import model_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIMIT_S = 15
@@ -375,7 +375,7 @@ class InputErrorTest(parameterized.TestCase):
         )
         program = (
             "import sys, tensorflow as tf\n"
-            "from trainers import data_checks, errors\n"
+            "from trainers.run import data_checks, errors\n"
             "data_checks.reads_data_files(sys.argv[1:])\n"
             "with errors.one_line_errors('reader'):\n"
             "    list(tf.data.TFRecordDataset(sys.argv[1:]))\n"
@@ -394,7 +394,8 @@ class InputErrorTest(parameterized.TestCase):
         data_dir = _fashion_mnist(_checksum_error)
         program = (
             "from absl import app\n"
-            "from trainers import data_checks, inception_bn\n"
+            "from trainers import inception_bn\n"
+            "from trainers.run import data_checks\n"
             "data_checks.VERIFY_BYTES = 0  # As ImageNet: the checksums are not read up front.\n"
             "app.run(inception_bn.main)\n"
         )

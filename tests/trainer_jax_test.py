@@ -26,10 +26,10 @@ from tests import flag_state
 from tests import mnist_sigmoid_test
 from tests import multi_worker
 from tests import tensorboard_events
-from trainers import errors
-from trainers import event_files
-from trainers import jax_runner
-from trainers import model_dirs
+from trainers.engines import jax_runner
+from trainers.run import errors
+from trainers.run import event_files
+from trainers.run import model_dirs
 
 if keras.backend.backend() != "jax":
     pytest.skip(

@@ -1,7 +1,7 @@
 r"""BN-Inception on ImageNet: the paper's §4.2 runs, distributed, with TensorBoard.
 
 Variants (--variant): inception, bn_baseline, bn_x5, bn_x30, bn_x5_sigmoid;
-each sets the paper's recipe (trainers/inception_recipes.py) and individual
+each sets the paper's recipe (trainers/inception/recipes.py) and individual
 flags override it. SGD with momentum 0.9 and exponential learning-rate decay;
 --batch_size is the GLOBAL batch per step (the paper's 32), split evenly over
 the replicas of --distribution_strategy. Evaluates single-crop top-1/top-5
@@ -12,7 +12,7 @@ checkpoints; a restarted run continues at its checkpointed step.
 
 --eval_bn_statistics=precise evaluates with BN statistics re-estimated before
 each evaluation on the run's first --precise_bn_batches training batches
-(trainers/skeleton.py): top1 (and so the steps to the target), top5 and
+(trainers/run/skeleton.py): top1 (and so the steps to the target), top5 and
 summary.json are then theirs, the record keeps the moving statistics' as
 moving_top1/moving_top5 and the estimation's wall time as
 precise_bn_seconds, TensorBoard logs eval/moving_top1, eval/moving_top5 and
@@ -40,8 +40,8 @@ reaches 72.2% top-1 in 14× fewer steps than Inception and peaks at 73.0%;
 BN-x30 peaks at 74.8%.
 
 Other data sets (--dataset: any TFDS data set with image and label
-features; trainers/image_data.py) and Table 2 in miniature, the five
-variants in turn with one summary and Figure 2 (trainers/inception_table2.py):
+features; trainers/inception/data.py) and Table 2 in miniature, the five
+variants in turn with one summary and Figure 2 (trainers/inception/table2.py):
 
     python -m trainers.inception_bn --dataset=fashion_mnist --variant=all \
         --image_size=32 --train_steps=1000 --eval_every=100 --eval_steps=64 \
@@ -58,7 +58,7 @@ with Figure 2's min–max bands:
         --train_steps=1000 --eval_every=100 --eval_steps=64 \
         --data_dir=DIR --model_dir=runs/table2_seeds
 
-Learning-rate sweep (--lr_sweep; trainers/lr_sweep.py; TensorFlow only, one
+Learning-rate sweep (--lr_sweep; trainers/reporting/lr_sweep.py; TensorFlow only, one
 seed, no --variant other than all and no recipe override): the inception and
 bn_baseline recipes, the same but for BN, each at its learning rate × each
 multiplier and its decay scaled to --train_steps as with --variant=all, in
@@ -83,21 +83,21 @@ from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
-from trainers import console
-from trainers import data_checks
-from trainers import errors
-from trainers import image_data
-from trainers import inception_model
-from trainers import inception_recipes
-from trainers import inception_table2
-from trainers import lr_sweep
-from trainers import model_dirs
-from trainers import skeleton
-from trainers import strategy as strategy_lib
-from trainers import summaries
-from trainers import tb_report
+from trainers.engines import strategy as strategy_lib
+from trainers.inception import data as image_data
+from trainers.inception import model as inception_model
+from trainers.inception import recipes as inception_recipes
+from trainers.inception import table2 as inception_table2
+from trainers.reporting import console
+from trainers.reporting import lr_sweep
+from trainers.reporting import summaries
+from trainers.reporting import tb_report
+from trainers.run import data_checks
+from trainers.run import errors
+from trainers.run import model_dirs
+from trainers.run import skeleton
 
-_RECIPE_DEFAULT = "Default: the --variant recipe's (trainers/inception_recipes.py)."
+_RECIPE_DEFAULT = "Default: the --variant recipe's (trainers/inception/recipes.py)."
 VARIANT = flags.DEFINE_enum(
     "variant",
     "bn_x5",
@@ -105,7 +105,7 @@ VARIANT = flags.DEFINE_enum(
     "The paper's model variant (recipe bundle); inception_x5 is Inception at BN-x5's "
     "learning rate. all: the five Table 2 variants in turn, each in --model_dir/<variant>, "
     "with the decay interval scaled to --train_steps, then the Table 2 summary and Figure 2 "
-    "(trainers/inception_table2.py).",
+    "(trainers/inception/table2.py).",
 )
 WITH_INCEPTION_X5 = flags.DEFINE_bool(
     "with_inception_x5",
@@ -174,7 +174,7 @@ TRAINING_DEFAULTS = dict(
     train_steps=3_000_000, batch_size=32, learning_rate=None, eval_every=10_000
 )
 
-TRAINER = "trainers.inception_bn"  # Recorded in --model_dir (see trainers/model_dirs.py).
+TRAINER = "trainers.inception_bn"  # Recorded in --model_dir (see trainers/run/model_dirs.py).
 # With --eval_bn_statistics=precise, in each run: the two statistics' accuracies in one chart.
 PRECISE_CHARTS = {
     "top-1, precise and moving BN statistics": [r"^eval/(moving_)?top1$"],
@@ -654,7 +654,7 @@ def sweep_config(config, variant, multiplier):
 
 
 def run_lr_sweep(config, train_variant, num_classes, writes=True):
-    """--lr_sweep: inception and bn_baseline at each multiple of their rate (trainers/lr_sweep.py).
+    """--lr_sweep: inception and bn_baseline at each multiple of their rate (`lr_sweep`).
 
     Each recipe's decay interval is scaled to --train_steps as in --variant=all.
     """

@@ -14,11 +14,11 @@ killed run resumes from its last checkpoint with the same --model_dir. The
 model_dir root holds the custom-scalars layout (Figure 1 as charts), the
 HParams experiment and, at the end, the Figure 1 image; figure1.png (mean
 and min–max band over seeds) and summary.json are written there too
-(trainers/mnist_report.py).
+(trainers/mnist/report.py).
 
 --eval_bn_statistics=precise evaluates the BN network with statistics
 re-estimated before each evaluation on its first --precise_bn_batches
-training batches (trainers/skeleton.py); test_accuracy and the percentiles
+training batches (trainers/run/skeleton.py); test_accuracy and the percentiles
 are then theirs, the record keeps the moving statistics' as moving_* and the
 estimation's wall time as precise_bn_seconds, TensorBoard logs
 eval/moving_test_accuracy and eval/precise_bn_seconds beside
@@ -36,7 +36,7 @@ vs 82.75% after 500; measured 2026, 2-core AMD EPYC CPU, TensorFlow 2.21.0,
 Keras 3.15.1; see docs/reproduction.md), and its sigmoid-input percentiles
 stay stable while the baseline's drift, as in the paper's Figure 1.
 
-Learning-rate sweep (--lr_sweep, one seed; trainers/lr_sweep.py): each
+Learning-rate sweep (--lr_sweep, one seed; trainers/reporting/lr_sweep.py): each
 network of --norm at --learning_rate × each multiplier, in
 --model_dir/<network>/lr_x<m>; lr_sweep.json, lr_sweep.md and lr_sweep.png
 at the root give each run's final and best accuracy and final train loss,
@@ -61,17 +61,17 @@ from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
-from trainers import console
-from trainers import errors
-from trainers import lr_sweep
-from trainers import mnist_data
-from trainers import mnist_model
-from trainers import mnist_report
-from trainers import model_dirs
-from trainers import skeleton
-from trainers import strategy as strategy_lib
-from trainers import summaries
-from trainers import tb_report
+from trainers.engines import strategy as strategy_lib
+from trainers.mnist import data as mnist_data
+from trainers.mnist import model as mnist_model
+from trainers.mnist import report as mnist_report
+from trainers.reporting import console
+from trainers.reporting import lr_sweep
+from trainers.reporting import summaries
+from trainers.reporting import tb_report
+from trainers.run import errors
+from trainers.run import model_dirs
+from trainers.run import skeleton
 
 NORM = flags.DEFINE_enum(
     "norm",
@@ -101,7 +101,7 @@ TRAIN_SUBSET = flags.DEFINE_integer(
 # This trainer's defaults of the shared training flags: the paper's §4.1 setup.
 TRAINING_DEFAULTS = dict(train_steps=50_000, batch_size=60, learning_rate=0.5, eval_every=500)
 
-TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/model_dirs.py).
+TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/run/model_dirs.py).
 RUN_NAMES = mnist_model.RUN_NAMES
 PROBE_UNIT = 0  # The "typical sigmoid" of the last hidden layer that Fig. 1 b, c follows.
 PERCENTILES = mnist_report.PERCENTILES
@@ -375,7 +375,7 @@ def sweep_config(config, multiplier):
 
 
 def run_sweep(config, runner, data, root):
-    """--lr_sweep: every network at each multiple of --learning_rate (trainers/lr_sweep.py)."""
+    """--lr_sweep: every network at each multiple of --learning_rate (`lr_sweep`)."""
     norms = {RUN_NAMES[norm]: norm for norm in config.networks}
 
     def train_one(network, multiplier):

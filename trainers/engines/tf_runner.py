@@ -1,10 +1,10 @@
 """The tf.distribute engine under the trainer skeleton: a custom training loop.
 
-`DistributeRunner` is everything `trainers.skeleton` needs from an engine:
+`DistributeRunner` is everything `trainers.run.skeleton` needs from an engine:
 the replica count and chief role, building under the strategy's scope, a
 checkpointer, a compiled n-step training function over a distributed
 dataset, sums over distributed evaluation batches, and `compile` for a
-task's own evaluation functions. `trainers.jax_runner.JaxRunner` offers the
+task's own evaluation functions. `trainers.engines.jax_runner.JaxRunner` offers the
 same methods on JAX.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_bn import distribution
-from trainers import errors
-from trainers import loops
+from trainers.engines import loops
+from trainers.run import errors
 
 
 class DistributeRunner:

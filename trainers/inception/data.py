@@ -30,8 +30,8 @@ import difflib
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from trainers import data_checks
-from trainers import errors
+from trainers.run import data_checks
+from trainers.run import errors
 
 IMAGENET = "imagenet2012"
 NUM_CLASSES = 1000  # imagenet2012's; fake data uses it too.

@@ -9,7 +9,7 @@ training (named by `data_checks`) and a Ctrl-C.
 import contextlib
 import sys
 
-from trainers import console
+from trainers.reporting import console
 
 
 class InputError(ValueError):
@@ -45,7 +45,7 @@ def one_line_errors(program):
         print(f"{program}: interrupted; relaunch the same command to resume", file=sys.stderr)
         sys.exit(130)
     except _data_loss_errors() as error:
-        from trainers import data_checks  # It raises this module's errors: imported here.
+        from trainers.run import data_checks  # It raises this module's errors: imported here.
 
         named = data_checks.name_corrupt_file(error)
         if named is None:

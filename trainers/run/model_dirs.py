@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 
-from trainers.errors import InputError
+from trainers.run.errors import InputError
 
 MARKER = "trainer.json"
 LOCK = "trainer.lock"
@@ -119,7 +119,7 @@ def claim_model_dir(model_dir, trainer):
     """Locks `model_dir` and records `trainer` as its writer (the chief calls it once)."""
     import tensorflow as tf
 
-    from trainers import summaries  # Atomic JSON: a kill never leaves half a marker.
+    from trainers.reporting import summaries  # Atomic JSON: a kill never leaves half a marker.
 
     tf.io.gfile.makedirs(model_dir)
     lock_model_dir(model_dir)

@@ -11,10 +11,10 @@ import os
 import re
 import struct
 
-from trainers.errors import CorruptDataError
-from trainers.errors import InputError
-from trainers.errors import MissingDataError
-from trainers.model_dirs import is_remote
+from trainers.run.errors import CorruptDataError
+from trainers.run.errors import InputError
+from trainers.run.errors import MissingDataError
+from trainers.run.model_dirs import is_remote
 
 # The data files this process reads (`reads_data_files`).
 _DATA_FILES = []

@@ -2,8 +2,8 @@
 
 A trainer supplies a `Task` (its model, data, evaluation and summaries) and
 a `LoopConfig`; `train_and_evaluate` runs the steps every trainer shares on
-a runner, the engine underneath: `trainers.tf_runner.DistributeRunner` (a
-tf.distribute custom loop) on TensorFlow, `trainers.jax_runner.JaxRunner`
+a runner, the engine underneath: `trainers.engines.tf_runner.DistributeRunner` (a
+tf.distribute custom loop) on TensorFlow, `trainers.engines.jax_runner.JaxRunner`
 (jitted stateless steps over `keras.distribution`) on JAX; the config's
 `create_runner` picks the Keras backend's. Evaluation, logging and
 checkpoint scheduling here do not depend on the engine: tasks compile their
@@ -27,9 +27,9 @@ import keras
 from flags import distribution_flags as distribution_flags
 import keras_bn
 from keras_bn import population
-from trainers import console
-from trainers import errors
-from trainers import run_state
+from trainers.reporting import console
+from trainers.run import errors
+from trainers.run import run_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +212,7 @@ def train_and_log(run, task, loop, run_steps, model):
     the record to keep (`task.evaluate`'s; with precise BN statistics that of
     the trained `model`'s re-estimated statistics, the moving ones' metrics
     beside it), and the record is committed in the order of
-    `trainers.run_state`: `run.record` writes it into the history,
+    `trainers.run.run_state`: `run.record` writes it into the history,
     `task.write_summaries` logs it inside `run.writer` at that step (a no-op
     writer off the chief) and the writer is flushed, then `run.save`
     checkpoints the step.

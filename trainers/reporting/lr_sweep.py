@@ -23,8 +23,8 @@ import dataclasses
 import math
 import os
 
-from trainers import summaries
-from trainers import tb_report
+from trainers.reporting import summaries
+from trainers.reporting import tb_report
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import json
 import tensorflow as tf
 
 import keras_bn
-from trainers import event_files
+from trainers.run import event_files
 
 
 def write_config(writer, config_values):

@@ -4,8 +4,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from trainers import data_checks
-from trainers import errors
+from trainers.run import data_checks
+from trainers.run import errors
 
 HOW_TO_GET = (
     "To get MNIST, omit --data_dir and TFDS downloads it into its default directory (needs "

@@ -29,9 +29,9 @@ import numpy as np
 import tensorflow as tf
 
 from flags import run_flags as run_flags
-from trainers import inception_recipes
-from trainers import summaries
-from trainers import tb_report
+from trainers.inception import recipes as inception_recipes
+from trainers.reporting import summaries
+from trainers.reporting import tb_report
 
 REFERENCE = "inception"  # Table 2's "steps to" threshold is this variant's best top-1.
 # The root's custom-scalars charts: each variant's run is one line.

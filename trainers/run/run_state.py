@@ -29,9 +29,9 @@ import os
 from absl import logging
 import tensorflow as tf
 
-from trainers import errors
-from trainers import event_files
-from trainers import summaries
+from trainers.reporting import summaries
+from trainers.run import errors
+from trainers.run import event_files
 
 
 class RunState:

@@ -1,8 +1,8 @@
 """Creating a run's engine from the distribution flags (see distribution_flags).
 
 The Keras backend picks the engine: a `tf.distribute` strategy under a
-`trainers.tf_runner.DistributeRunner` on TensorFlow, a `keras.distribution`
-under a `trainers.jax_runner.JaxRunner` on JAX. A multi-worker run that
+`trainers.engines.tf_runner.DistributeRunner` on TensorFlow, a `keras.distribution`
+under a `trainers.engines.jax_runner.JaxRunner` on JAX. A multi-worker run that
 loses a worker ends in one line saying which and how to resume
 (`DistributionConfig.reporting_lost_workers`).
 """
@@ -14,8 +14,8 @@ import re
 
 import keras
 
-from trainers import devices
-from trainers import errors
+from trainers.engines import devices
+from trainers.run import errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,10 @@ class DistributionConfig:
         compiles every step anyway.
         """
         if self.engine == "jax":
-            from trainers import jax_runner
+            from trainers.engines import jax_runner
 
             return jax_runner.create_runner(self.distribution_strategy, self.num_cpu_devices)
-        from trainers import tf_runner
+        from trainers.engines import tf_runner
 
         return tf_runner.DistributeRunner(self.create_strategy(), jit_compile)
 
@@ -144,7 +144,7 @@ def _last_checkpoint(model_dir):
     """
     import tensorflow as tf
 
-    from trainers import tf_runner
+    from trainers.engines import tf_runner
 
     found = [
         (tf.io.gfile.stat(prefix + ".index").mtime_nsec, step, prefix)

@@ -1,7 +1,7 @@
 """The JAX engine under the trainer skeleton: jitted stateless steps over `keras.distribution`.
 
-`JaxRunner` offers what `trainers.skeleton` needs from an engine, as
-`trainers.tf_runner.DistributeRunner` does on TensorFlow: the replica count
+`JaxRunner` offers what `trainers.run.skeleton` needs from an engine, as
+`trainers.engines.tf_runner.DistributeRunner` does on TensorFlow: the replica count
 and chief role, building under the distribution, a checkpointer, a compiled
 n-step training function and sums over evaluation batches, plus `compile`
 for a task's own evaluation functions. A training step is Keras 3's JAX
@@ -26,8 +26,8 @@ import re
 from absl import logging
 import numpy as np
 
-from trainers import errors
-from trainers import model_dirs
+from trainers.run import errors
+from trainers.run import model_dirs
 
 _HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"

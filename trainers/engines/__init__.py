@@ -1,0 +1,1 @@
+"""Which engine runs a trainer: TensorFlow (tf.distribute) or JAX (keras.distribution)."""

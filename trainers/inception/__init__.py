@@ -1,0 +1,1 @@
+"""The BN-Inception trainer's model, data, recipes and Table 2 driver (paper §4.2)."""

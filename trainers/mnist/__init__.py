@@ -1,0 +1,1 @@
+"""The sigmoid MNIST trainer's model, data and report (paper §4.1, Figure 1)."""
