@@ -233,27 +233,32 @@ def _inception_x5_with_all(values):
     return values["variant"] == "all" or not values["with_inception_x5"]
 
 
-def check_seeds_and_sweep():
+def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides):
     """Raises `errors.InputError` for the --num_seeds and --lr_sweep combinations refused.
 
     --num_seeds > 1 repeats --variant=all only; --lr_sweep trains the
     inception and bn_baseline recipes as they are (so no other --variant and
     no recipe override) on TensorFlow, where their LRN layers build. Checked
-    by `config_from_flags`, not by flag validators: these flags are shared
-    with mnist_sigmoid, whose values would trip a validator in a process that
-    defines both trainers' flags.
+    by `config_from_flags` on the values it read, not by flag validators:
+    these flags are shared with mnist_sigmoid, whose values would trip a
+    validator in a process that defines both trainers' flags.
+
+    Args:
+        variant: --variant.
+        num_seeds: --num_seeds.
+        lr_sweep: the --lr_sweep multipliers, or None.
+        overrides: the recipe-overriding flags by name (--learning_rate,
+            --dropout, --weight_decay, --lr_decay_steps), None where unset.
     """
-    variant, seeds = VARIANT.value, run_flags.NUM_SEEDS.value
-    if seeds > 1 and variant != "all":
+    if num_seeds > 1 and variant != "all":
         raise errors.InputError(
             "--num_seeds > 1 repeats Table 2 in miniature (--variant=all) over seeds; train one "
             "variant's seeds each with its own --seed and --model_dir. "
-            f"Received: num_seeds={seeds}, variant={variant}"
+            f"Received: num_seeds={num_seeds}, variant={variant}"
         )
-    if not training_flags.LR_SWEEP.value:
+    if not lr_sweep:
         return
-    overrides = (training_flags.LEARNING_RATE, DROPOUT, WEIGHT_DECAY, DECAY_STEPS)
-    given = [f"{h.name}={h.value}" for h in overrides if h.value is not None]
+    given = [f"{name}={value}" for name, value in overrides.items() if value is not None]
     if variant not in (VARIANT.default, "all"):
         given.insert(0, f"variant={variant}")
     if given:
@@ -411,21 +416,23 @@ def config_from_flags():
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
-    check_seeds_and_sweep()
+    values = training_flags.with_defaults(summaries.flag_values(holders), TRAINING_DEFAULTS)
+    values["lr_sweep"] = training_flags.lr_multipliers()
     # --learning_rate, --dropout, --weight_decay and --lr_decay_steps override
     # the recipe, where they are recorded.
+    overrides = summaries.flag_values(
+        [training_flags.LEARNING_RATE, DROPOUT, WEIGHT_DECAY, DECAY_STEPS]
+    )
+    check_seeds_and_sweep(values["variant"], values["num_seeds"], values["lr_sweep"], overrides)
     recipe = None  # --variant=all and --lr_sweep train several recipes.
-    lr_multipliers = training_flags.lr_multipliers()
-    if VARIANT.value != "all" and not lr_multipliers:
+    if values["variant"] != "all" and not values["lr_sweep"]:
         recipe = inception_recipes.resolve(
-            VARIANT.value,
-            learning_rate=training_flags.LEARNING_RATE.value,
-            dropout=DROPOUT.value,
-            weight_decay=WEIGHT_DECAY.value,
-            decay_steps=DECAY_STEPS.value,
+            values["variant"],
+            learning_rate=overrides["learning_rate"],
+            dropout=overrides["dropout"],
+            weight_decay=overrides["weight_decay"],
+            decay_steps=overrides["lr_decay_steps"],
         )
-    values = training_flags.with_defaults(summaries.flag_values(holders), TRAINING_DEFAULTS)
-    values["lr_sweep"] = lr_multipliers
     return Config(recipe=recipe, **values)
 
 
