@@ -24,6 +24,7 @@ from tests import flag_state
 from trainers import inception_bn
 from trainers.inception import data as image_data
 from trainers.inception import recipes as inception_recipes
+from trainers.inception import task as inception_task
 from trainers.run import data_checks
 from trainers.run import errors
 
@@ -214,7 +215,7 @@ class InceptionRunDataTest(parameterized.TestCase):
     def _run(self, variant, **flags):
         values = dict(variant=variant, batch_size=5, image_size=32, seed=0, **flags)
         with flag_state.trainer_flags(inception_bn, **values):
-            return inception_bn.InceptionRun(inception_bn.config_from_flags(), TINY)
+            return inception_task.InceptionRun(inception_bn.config_from_flags(), TINY)
 
     @parameterized.parameters("inception", "bn_x5")  # Full and half distortion; thorough shuffle.
     def test_resumed_run_trains_on_the_uninterrupted_batches(self, variant):

@@ -22,6 +22,7 @@ from trainers import inception_bn
 from trainers.inception import data as image_data
 from trainers.inception import model as inception_model
 from trainers.inception import recipes as inception_recipes
+from trainers.inception import task as inception_task
 from trainers.run import skeleton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +159,7 @@ class WidthMultiplierTest(parameterized.TestCase):
                 flags.FLAGS(["prog", f"--width_multiplier={value}"])
 
     def test_recorded_in_the_config_and_identity(self):
-        run = inception_bn.InceptionRun(_config(width_multiplier=0.25))
+        run = inception_task.InceptionRun(_config(width_multiplier=0.25))
         self.assertEqual(run.config_values()["width_multiplier"], 0.25)
         self.assertEqual(run.identity()["width_multiplier"], 0.25)
         run.build()
@@ -198,10 +199,10 @@ class TrainerTest(parameterized.TestCase):
 
     def test_steps_to_target_is_the_first_evaluation_reaching_it(self):
         evals = [{"step": 2, "top1": 0.5}, {"step": 4, "top1": 0.73}, {"step": 6, "top1": 0.71}]
-        self.assertEqual(inception_bn.steps_to_target(evals, 0.722), 4)
-        self.assertEqual(inception_bn.steps_to_target(evals, 0.5), 2)
-        self.assertIsNone(inception_bn.steps_to_target(evals, 0.9))
-        self.assertIsNone(inception_bn.steps_to_target(evals[:1], 0.722))
+        self.assertEqual(inception_task.steps_to_target(evals, 0.722), 4)
+        self.assertEqual(inception_task.steps_to_target(evals, 0.5), 2)
+        self.assertIsNone(inception_task.steps_to_target(evals, 0.9))
+        self.assertIsNone(inception_task.steps_to_target(evals[:1], 0.722))
 
     def test_uneven_global_batch_is_rejected(self):
         with self.assertRaisesRegex(ValueError, r"split evenly.*Received: batch_size=5"):
@@ -215,7 +216,7 @@ class TrainerTest(parameterized.TestCase):
 
     def test_config_records_every_flag(self):
         config = _config(learning_rate=0.01, dropout=0.2, sync_batch_norm=True, sync_group_size=2)
-        values = inception_bn.config_values(config)
+        values = inception_task.config_values(config)
         self.assertEqual(values["recipe.learning_rate"], 0.01)
         self.assertEqual(values["recipe.dropout"], 0.2)
         self.assertEqual(values["sync_group_size"], 2)
@@ -317,7 +318,7 @@ def _trainer_flag_names():
 
 
 def _train_and_evaluate(config, runner):
-    return skeleton.train_and_evaluate(inception_bn.InceptionRun(config), config.loop(), runner)
+    return skeleton.train_and_evaluate(inception_task.InceptionRun(config), config.loop(), runner)
 
 
 class _TwoReplicaStub:

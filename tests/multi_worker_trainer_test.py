@@ -24,9 +24,9 @@ import tensorflow as tf
 
 from tests import multi_worker
 from tests import tensorboard_events
-from trainers import inception_bn
 from trainers.engines import strategy as strategy_lib
 from trainers.inception import recipes as inception_recipes
+from trainers.inception import task as inception_task
 from trainers.run import event_files
 
 _TIMEOUT_S = 300
@@ -98,7 +98,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         latest = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
         self.assertTrue(latest.endswith("-2"), latest)
         # The chief's checkpoint restores into a fresh model.
-        model = inception_bn.build_model(
+        model = inception_task.build_model(
             inception_recipes.RECIPES["bn_x5"], image_size=32, sync_batch_norm=True
         )
         step = tf.Variable(0, dtype=tf.int64)
