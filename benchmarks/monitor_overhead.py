@@ -1,7 +1,7 @@
 r"""Overhead of keras_bn.BatchNormMonitor on `fit` of the MNIST BN network.
 
 The paper's MNIST BN network (784-100-100-100-10, sigmoid, keras_bn layers;
-trainers/mnist_model.build_model) is trained with `model.fit` on random
+trainers/mnist/model.build_model) is trained with `model.fit` on random
 MNIST-shaped data, batches of 60, for --steps steps per sample, with and
 without the monitor (default every_n_steps=100, a --probe_size probe batch),
 in one process. The batches are one `tf.data` pipeline built once, so a fit

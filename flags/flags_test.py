@@ -27,7 +27,7 @@ class FlagsTest(parameterized.TestCase):
             self.assertEqual(distribution_flags.DISTRIBUTION_STRATEGY.value, "off")
 
     def test_trainer_sets_its_defaults_of_the_training_flags(self):
-        # Each trainer sets these at import; a flag given on the command line keeps its value.
+        # A trainer run as a program sets these; a flag given on the command line keeps its value.
         with flagsaver.flagsaver():
             training_flags.set_defaults(
                 train_steps=7, batch_size=3, learning_rate=None, eval_every=2

@@ -18,9 +18,9 @@ def ensure_parsed():
 def trainer_flags(trainer, **values):
     """`flagsaver.flagsaver(**values)` with `trainer`'s defaults of the shared training flags.
 
-    Each trainer sets those defaults when imported, so in a process that
-    imported several trainers the last import's hold until this re-applies
-    `trainer.TRAINING_DEFAULTS`; all flags are restored on exit.
+    The flags then hold the trainer's defaults, as when it runs as a program
+    (its `__main__` block sets them; `config_from_flags` would fill them in
+    anyway); all flags are restored on exit.
     """
     with flagsaver.flagsaver():
         training_flags.set_defaults(**trainer.TRAINING_DEFAULTS)

@@ -1,1 +1,1 @@
-"""The BN-Inception trainer's model, data, recipes and Table 2 driver (paper §4.2)."""
+"""The BN-Inception trainer's model, data, recipes, training task and Table 2 (paper §4.2)."""

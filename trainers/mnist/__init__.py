@@ -1,1 +1,1 @@
-"""The sigmoid MNIST trainer's model, data and report (paper §4.1, Figure 1)."""
+"""The sigmoid MNIST trainer's network, data, training task and report (paper §4.1, Fig. 1)."""

@@ -167,16 +167,19 @@ def write_results(config, runs, root):
         "config": dataclasses.asdict(config),
     }
     summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
-    seeds = f" (mean of {len(config.seeds)} seeds)" if len(config.seeds) > 1 else ""
-    rows = [
-        (name, run["final_test_accuracy"], run["best_test_accuracy"], _step(run["first_step_97"]))
-        for name, run in summary["runs"].items()
-    ]
+    num_seeds = len(config.seeds)
+    rows = []
+    for name, run in summary["runs"].items():
+        first = _step(run["first_step_97"])
+        if num_seeds > 1 and first is not None:  # A mean over the seeds that reached 97%.
+            first = f"{first} ({run['seeds_reaching_97']}/{num_seeds} seeds)"
+        rows.append((name, run["final_test_accuracy"], run["best_test_accuracy"], first))
+    headers = ["network", "final accuracy", "best accuracy", "first step at 97%"]
+    if num_seeds > 1:
+        headers = [headers[0]] + [f"{h}, mean of {num_seeds} seeds" for h in headers[1:]]
     console.show(
         [""]
-        + console.table(
-            ["network", f"final accuracy{seeds}", "best accuracy", "first step at 97%"], rows
-        )
+        + console.table(headers, rows)
         + [
             "",
             f"summary:     {os.path.join(config.model_dir, 'summary.json')}",

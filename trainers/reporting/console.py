@@ -7,8 +7,10 @@ of the run. The libraries' own progress chatter (a line per checkpoint write
 from TensorFlow, TFDS's dataset notes) is left out; their warnings are not.
 """
 
+import importlib.util
 import logging as std_logging
 import math
+import os
 import sys
 import time
 
@@ -20,11 +22,28 @@ from absl import logging
 _QUIET_INFO_PACKAGES = ("tensorflow", "tensorflow_datasets", "orbax", "jax")
 
 
+def _install_dirs(packages):
+    """The directories `packages` are installed in (those installed), each ending in a separator."""
+    dirs = []
+    for package in packages:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for location in (spec and spec.submodule_search_locations) or ():
+            dirs.append(os.path.join(os.path.realpath(location), ""))
+    return tuple(dirs)
+
+
 class _LibraryInfo(std_logging.Filter):
-    """Drops INFO records (and below) logged from `_QUIET_INFO_PACKAGES`."""
+    """Drops INFO records (and below) logged by code installed in `directories`."""
+
+    def __init__(self, directories):
+        super().__init__()
+        self.directories = directories
 
     def filter(self, record):
-        quiet = any(f"/{package}/" in record.pathname for package in _QUIET_INFO_PACKAGES)
+        quiet = os.path.realpath(record.pathname).startswith(self.directories)
         return record.levelno >= std_logging.WARNING or not quiet
 
 
@@ -38,7 +57,7 @@ def quiet_libraries():
     """
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _LibraryInfo) for f in handler.filters):
-        handler.addFilter(_LibraryInfo())
+        handler.addFilter(_LibraryInfo(_install_dirs(_QUIET_INFO_PACKAGES)))
 
 
 def duration(seconds):
@@ -60,7 +79,8 @@ class Progress:
         total: the run's last step.
         stream: where a terminal's live line goes (default stderr); on
             anything that is not a terminal each report is an absl INFO
-            line, at most one per tenth of the run (and the last step).
+            line: the launch's first evaluation, then at most one per tenth
+            of the run (and the last step).
     """
 
     def __init__(self, name, start, total, stream=None):
@@ -68,8 +88,8 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.live = self.stream.isatty()
         self.began = time.monotonic()
-        self.tenth = max(1, math.ceil(total / 10))
-        self.next_line = (start // self.tenth + 1) * self.tenth
+        self.steps_per_line = max(1, math.ceil(total / 10))
+        self.next_line = start  # The first evaluation of a launch is shown, then tenths.
 
     def update(self, step, metrics):
         """Reports `step` with `metrics` (name → float), with steps/s and time left."""
@@ -89,7 +109,7 @@ class Progress:
             self.stream.flush()
         elif step >= self.next_line or step >= self.total:
             logging.info("%s", text)
-            self.next_line = (step // self.tenth + 1) * self.tenth
+            self.next_line = (step // self.steps_per_line + 1) * self.steps_per_line
 
     def end_line(self):
         """Ends a live line cut short (an interruption), so what follows starts afresh."""
@@ -98,15 +118,19 @@ class Progress:
             self.stream.flush()
 
 
-class Interrupted(Exception):
-    """Ctrl-C during a run: the step it stood at and its last checkpoint."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: the step training had reached and the newest checkpoint's.
 
-    def __init__(self, name, step, checkpoint):
-        super().__init__(name, step, checkpoint)
-        self.name, self.step, self.checkpoint = name, step, checkpoint
+    A `KeyboardInterrupt`, so no `except Exception` on its way out swallows it.
+    """
+
+    def __init__(self, name, step, checkpoint_step):
+        super().__init__(name, step, checkpoint_step)
+        self.name, self.step, self.checkpoint_step = name, step, checkpoint_step
 
     def __str__(self):
-        last = f"step {self.checkpoint}" if self.checkpoint else "none yet (it restarts at 0)"
+        last = self.checkpoint_step
+        last = f"step {last}" if last else "none yet (it restarts at 0)"
         return (
             f"{self.name}: interrupted at step {self.step}; the last checkpoint is {last}; "
             "relaunch the same command to resume"

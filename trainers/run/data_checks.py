@@ -292,7 +292,8 @@ def reads_data_files(paths):
 def name_corrupt_file(error):
     """The `CorruptDataError` naming which data file a `DataLossError` came from, or None.
 
-    None when this process recorded no data files (`reads_data_files`), or
-    none of them holds the bad record: a traceback then says more than a guess.
+    None when this process recorded no data files (`reads_data_files`): a
+    traceback then says more than a guess. Otherwise the error names the
+    one file holding the bad record, or the candidates (`corrupt_data_error`).
     """
     return corrupt_data_error(error, _DATA_FILES) if _DATA_FILES else None

@@ -241,8 +241,9 @@ def train_and_log(run, task, loop, run_steps, model):
 def _interval(run, task, loop, run_steps, model, position, began):
     """Trains from `position["step"]` to the next evaluation, evaluates and commits it.
 
-    `position["step"]` follows every compiled chunk, so an interruption
-    knows the step it stopped at.
+    `position["step"]` follows every compiled call of `run_steps` (a whole
+    interval without `steps_per_execution`), so an interruption knows the
+    step training had reached.
     """
     step = position["step"]
     target = min(step - step % loop.eval_every + loop.eval_every, loop.train_steps)
