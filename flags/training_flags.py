@@ -117,18 +117,19 @@ def lr_multipliers():
     return tuple(float(m) for m in LR_SWEEP.value) if LR_SWEEP.value else None
 
 
-def with_defaults(values, defaults):
-    """`values` (flag name → value) with each training flag left unset taken from `defaults`.
+def values_with_defaults(holders, defaults):
+    """Each holder's value by flag name, a training flag left unset taken from `defaults`.
 
     Args:
-        values: the flag values, by name.
+        holders: the flag holders a trainer's config is made of.
         defaults: a trainer's `TRAINING_DEFAULTS` (train_steps, batch_size,
             learning_rate, eval_every).
 
     Returns:
-        A new dict with the keys of `values`; a flag given on the command
-        line keeps its value.
+        A dict of flag name to value; a flag given on the command line keeps
+        its value.
     """
+    values = {holder.name: holder.value for holder in holders}
     unset = {k: v for k, v in defaults.items() if k in values and values[k] is None}
     return {**values, **unset}
 

@@ -17,9 +17,11 @@ from flags import training_flags as training_flags
 from tests import data_dirs
 from tests import flag_state
 from tests import inception_bn_test
+from tests import run_outputs
 from tests import tensorboard_events
 from trainers import inception_bn
 from trainers import mnist_sigmoid
+from trainers.inception import sweep as inception_sweep
 from trainers.reporting import lr_sweep
 from trainers.run import errors
 
@@ -129,8 +131,7 @@ class SummaryTest(parameterized.TestCase):
 
 def _check_outputs(test, model_dir):
     """Asserts the sweep's files and root image; returns lr_sweep.json."""
-    with open(os.path.join(model_dir, "lr_sweep.json")) as f:
-        results = json.load(f)
+    results = run_outputs.read_strict_json(os.path.join(model_dir, "lr_sweep.json"))
     with open(os.path.join(model_dir, "lr_sweep.md")) as f:
         test.assertTrue(f.read().startswith("| network | × | learning rate |"))
     with open(os.path.join(model_dir, "lr_sweep.png"), "rb") as f:
@@ -188,7 +189,7 @@ class FlagsTest(parameterized.TestCase):
             config = inception_bn.config_from_flags()
         self.assertEqual(config.lr_sweep, (1.0, 5.0))
         self.assertIsNone(config.recipe)
-        one = inception_bn.sweep_config(config, "bn_baseline", 5.0)
+        one = inception_sweep.sweep_config(config, "bn_baseline", 5.0)
         self.assertAlmostEqual(one.recipe.learning_rate, 5 * 0.0015)
         self.assertTrue(one.recipe.batch_norm)
         self.assertEqual(one.model_dir, os.path.join(config.model_dir, "bn_baseline", "lr_x5"))
@@ -242,7 +243,8 @@ class MnistSweepTest(absltest.TestCase):
                 with open(os.path.join(model_dir, network, name, "history.json")) as f:
                     history = json.load(f)
                 self.assertEqual(history["steps"], 4)
-                self.assertEqual(history["identity"]["network"], network)
+                norm = {"baseline": "none", "batch_norm": "batch_norm"}[network]
+                self.assertEqual(history["identity"]["norm"], norm)
             self.assertEqual(history["identity"]["learning_rate"], 0.25)
 
     def test_huge_rate_goes_non_finite_finishes_and_is_marked_diverged(self):

@@ -107,7 +107,8 @@ class MnistSigmoidTest(parameterized.TestCase):
             for layer in (1, 2, 3):
                 self.assertEqual(plugins[f"pre_activation/layer_{layer}"], "histograms")
             self.assertEqual(plugins["config"], "text")
-            self.assertEqual(_text(os.path.join(model_dir, name), "config")["network"], name)
+            norm = {"baseline": "none", "batch_norm": "batch_norm"}[name]
+            self.assertEqual(_text(os.path.join(model_dir, name), "config")["norm"], norm)
             # HParams: the run's settings, and its metrics at the end.
             self.assertEqual(plugins["_hparams_/session_start_info"], "hparams")
             for metric in ("final_test_accuracy", "best_test_accuracy", "first_step_97"):

@@ -2,6 +2,8 @@
 
 import json
 
+from trainers.run import json_files
+
 # Measured times and the run's own directory: they differ between any two runs.
 VARYING_KEYS = frozenset({"seconds", "wall_time_s", "images_per_sec", "model_dir"})
 
@@ -15,7 +17,21 @@ def without_varying(value):
     return value
 
 
-def read_json(path):
-    """The JSON file at `path`, `without_varying`."""
+def _reject(constant):
+    raise ValueError(f"{constant} is not strict JSON")
+
+
+def read_strict_json(path):
+    """The JSON file at `path`, parsed strictly (a bare NaN or Infinity raises `ValueError`).
+
+    The trainers write each non-finite number as null and list it under
+    "non_finite_values" (`trainers.run.json_files`); those are put back.
+    """
     with open(path) as f:
-        return without_varying(json.load(f))
+        json.loads(f.read(), parse_constant=_reject)
+    return json_files.read_json(path, None)
+
+
+def read_json(path):
+    """The JSON file at `path` (strict, non-finite numbers put back), `without_varying`."""
+    return without_varying(read_strict_json(path))

@@ -144,7 +144,7 @@ class CheckpointFallbackTest(_Trainer):
                 _garble(path)
         with self.assertRaisesRegex(
             (errors.InputError, SystemExit),
-            r"No checkpoint in .* is readable \(.*ckpt-8, .*ckpt-4\)",
+            r"No checkpoint in .* is readable \(.*ckpt-8, .*ckpt-4; the newest: ",
         ):
             self.run_trainer(train_steps=12)
 

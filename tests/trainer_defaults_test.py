@@ -4,6 +4,7 @@ from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
 
+from flags import inception_flags
 from flags import training_flags
 from tests import flag_state
 from trainers import inception_bn
@@ -38,7 +39,7 @@ class TrainerDefaultsTest(absltest.TestCase):
             (3_000_000, 32, 10_000),
         )
         # Unset, inception's learning rate is its --variant recipe's.
-        recipe = inception_recipes.RECIPES[inception_bn.VARIANT.default]
+        recipe = inception_recipes.RECIPES[inception_flags.VARIANT.default]
         self.assertEqual(inception.recipe.learning_rate, recipe.learning_rate)
 
     def test_a_flag_given_wins_over_both_trainers_defaults(self):

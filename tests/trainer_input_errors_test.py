@@ -28,6 +28,22 @@ IMAGENET_SPLITS = ("train", "validation")
 _RUNTIME_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
 
 
+# TFDS's features.json of a data set with one feature, the label.
+_FEATURES = {
+    "pythonClassName": "tensorflow_datasets.core.features.features_dict.FeaturesDict",
+    "featuresDict": {
+        "features": {
+            "label": {
+                "pythonClassName": (
+                    "tensorflow_datasets.core.features.class_label_feature.ClassLabel"
+                ),
+                "classLabel": {"numClasses": "10"},
+            }
+        }
+    },
+}
+
+
 def _fake_tfds(name, splits, present=None, damage=None):
     """A TFDS data dir whose `name`/3.0.1 has dataset_info.json and the shards of `present`.
 
@@ -40,11 +56,15 @@ def _fake_tfds(name, splits, present=None, damage=None):
     version_dir = os.path.join(data_dir, name, "3.0.1")
     os.makedirs(version_dir)
     info = {
+        "name": name,
+        "version": "3.0.1",
         "fileFormat": "tfrecord",
         "splits": [{"name": split, "shardLengths": ["10"], "numBytes": "1000"} for split in splits],
     }
     with open(os.path.join(version_dir, "dataset_info.json"), "w") as f:
         json.dump(info, f)
+    with open(os.path.join(version_dir, "features.json"), "w") as f:
+        json.dump(_FEATURES, f)
     shards = [
         os.path.join(version_dir, f"{name}-{split}.tfrecord-00000-of-00001")
         for split in (splits if present is None else present)

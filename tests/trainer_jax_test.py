@@ -26,7 +26,7 @@ from tests import flag_state
 from tests import mnist_sigmoid_test
 from tests import multi_worker
 from tests import tensorboard_events
-from trainers.engines import jax_runner
+from trainers.run import checkpoints
 from trainers.run import errors
 from trainers.run import event_files
 from trainers.run import model_dirs
@@ -92,7 +92,7 @@ class OrbaxCheckpointerTest(absltest.TestCase):
     def test_round_trip_keeps_the_newest_and_refuses_another_model(self):
         run_dir = tempfile.mkdtemp()
         model, optimizer = _tiny_model(4)
-        checkpointer = jax_runner.OrbaxCheckpointer(run_dir, 2, model, optimizer)
+        checkpointer = checkpoints.OrbaxCheckpointer(run_dir, 2, model, optimizer)
         self.assertEqual(checkpointer.restore(), 0)
         for step in (2, 4, 6):
             checkpointer.save(step)
@@ -101,7 +101,7 @@ class OrbaxCheckpointerTest(absltest.TestCase):
         checkpointer.close()
 
         restored, restored_optimizer = _tiny_model(4)  # Other initial values.
-        checkpointer = jax_runner.OrbaxCheckpointer(run_dir, 2, restored, restored_optimizer)
+        checkpointer = checkpoints.OrbaxCheckpointer(run_dir, 2, restored, restored_optimizer)
         self.assertEqual(checkpointer.restore(), 6)
         checkpointer.close()
         pairs = zip(
@@ -112,7 +112,7 @@ class OrbaxCheckpointerTest(absltest.TestCase):
             np.testing.assert_array_equal(saved.numpy(), loaded.numpy(), err_msg=saved.path)
 
         other, other_optimizer = _tiny_model(5)
-        checkpointer = jax_runner.OrbaxCheckpointer(run_dir, 2, other, other_optimizer)
+        checkpointer = checkpoints.OrbaxCheckpointer(run_dir, 2, other, other_optimizer)
         with self.assertRaisesRegex(errors.InputError, r"checkpoints/6 is of another model"):
             checkpointer.restore()
         checkpointer.close()
@@ -154,7 +154,7 @@ class FileUrlAndDamagedCheckpointsTest(absltest.TestCase):
         with self.assertRaises(SystemExit) as raised:
             mnist_sigmoid_test._run(model_dir, norm="batch_norm", train_steps=16)
         message = str(raised.exception.code)
-        self.assertRegex(message, r"^mnist_sigmoid: error: No checkpoint under \S+ is readable")
+        self.assertRegex(message, r"^mnist_sigmoid: error: No checkpoint in \S+ is readable")
         self.assertNotIn("\n", message)
         for step in ("8", "12"):
             self.assertIn(os.path.join(run_dir, "checkpoints", step), message)

@@ -71,8 +71,6 @@ lr_sweep.png at the root:
 """
 
 import dataclasses
-import math
-import os
 
 from absl import app
 from absl import flags
@@ -80,193 +78,26 @@ import keras
 
 from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
+from flags import inception_flags as inception_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
 from trainers.engines import strategy as strategy_lib
 from trainers.inception import data as image_data
 from trainers.inception import recipes as inception_recipes
+from trainers.inception import sweep as inception_sweep
 from trainers.inception import table2 as inception_table2
 from trainers.inception import task as inception_task
 from trainers.reporting import console
-from trainers.reporting import lr_sweep
-from trainers.reporting import summaries
 from trainers.run import data_checks
 from trainers.run import errors
 from trainers.run import model_dirs
+from trainers.run import run_config
 from trainers.run import skeleton
 
-_RECIPE_DEFAULT = "Default: the --variant recipe's (trainers/inception/recipes.py)."
-VARIANT = flags.DEFINE_enum(
-    "variant",
-    "bn_x5",
-    [*inception_recipes.RECIPES, "all"],
-    "The paper's model variant (recipe bundle); inception_x5 is Inception at BN-x5's "
-    "learning rate. all: the five Table 2 variants in turn, each in --model_dir/<variant>, "
-    "with the decay interval scaled to --train_steps, then the Table 2 summary and Figure 2 "
-    "(trainers/inception/table2.py).",
-)
-WITH_INCEPTION_X5 = flags.DEFINE_bool(
-    "with_inception_x5",
-    False,
-    "With --variant=all, also train inception_x5 (the paper's check that Inception "
-    "without BN cannot use the ×5 learning rate).",
-)
-DATASET = flags.DEFINE_string(
-    "dataset",
-    image_data.IMAGENET,
-    "TFDS image-classification data set with 'image' and 'label' features (e.g. "
-    "fashion_mnist); grayscale becomes 3 channels, classes come from its info.",
-)
-IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Input height and width.", lower_bound=32)
-WIDTH_MULTIPLIER = flags.DEFINE_float(
-    "width_multiplier",
-    1.0,
-    "Scales every convolution's filter count (rounded, at least 1): a narrower network for "
-    "miniatures on CPUs. 1.0: the paper's BN-Inception.",
-)
-flags.register_validator(
-    "width_multiplier",
-    lambda value: 0.0 < value < math.inf,
-    message="--width_multiplier must be a finite number > 0.",
-)
-USE_FAKE_DATA = flags.DEFINE_bool(
-    "use_fake_data", False, "Random data of the real shapes instead of --dataset."
-)
-DROPOUT = flags.DEFINE_float(
-    "dropout", None, f"Dropout rate. {_RECIPE_DEFAULT}", lower_bound=0.0, upper_bound=0.99
-)
-WEIGHT_DECAY = flags.DEFINE_float(
-    "weight_decay", None, f"L2 coefficient. {_RECIPE_DEFAULT}", lower_bound=0.0
-)
-DECAY_STEPS = flags.DEFINE_integer(
-    "lr_decay_steps",
-    None,
-    f"Steps per 0.94× learning-rate decay. {_RECIPE_DEFAULT}",
-    lower_bound=1,
-)
-STEPS_PER_EXECUTION = flags.DEFINE_integer(
-    "steps_per_execution", 1, "Train steps per compiled call.", lower_bound=1
-)
-MIXED_PRECISION = flags.DEFINE_bool(
-    "mixed_precision", False, "bfloat16 compute (mixed_bfloat16 policy)."
-)
-JIT_COMPILE = flags.DEFINE_bool(
-    "jit_compile",
-    False,
-    "XLA-compile each replica's forward/backward (under --distribution_strategy=tpu "
-    "XLA always compiles the whole step).",
-)
-EVAL_STEPS = flags.DEFINE_integer(
-    "eval_steps", None, "Evaluation batches. Default: the whole split.", lower_bound=1
-)
-TARGET_ACCURACY = flags.DEFINE_float(
-    "target_accuracy",
-    0.722,
-    "Top-1 whose first reaching step is recorded (paper: 72.2%).",
-    lower_bound=0.0,
-    upper_bound=1.0,
-)
-# This trainer's defaults of the shared training flags: the paper's batch of 32;
-# --learning_rate unset takes the --variant recipe's.
-TRAINING_DEFAULTS = dict(
-    train_steps=3_000_000, batch_size=32, learning_rate=None, eval_every=10_000
-)
+# --help lists this trainer's own flags first.
+flags.adopt_module_key_flags(inception_flags)
 
 TRAINER = "trainers.inception_bn"  # Recorded in --model_dir (see trainers/run/model_dirs.py).
-
-
-@flags.multi_flags_validator(
-    ["jit_compile", "sync_batch_norm", "distribution_strategy"],
-    message=(
-        "--jit_compile cannot be combined with --sync_batch_norm under "
-        "--distribution_strategy=mirrored or multi_worker_mirrored: --jit_compile "
-        "compiles each replica's forward/backward as a function nested in "
-        "strategy.run, and tf.distribute cannot run the synchronised BN "
-        "collectives inside it. Drop one of the two flags, or use "
-        "--distribution_strategy=tpu, where XLA compiles the whole step, "
-        "collectives included."
-    ),
-)
-def _jit_compile_with_sync(values):
-    return not (
-        values["jit_compile"]
-        and values["sync_batch_norm"]
-        and values["distribution_strategy"] in ("mirrored", "multi_worker_mirrored")
-    )
-
-
-@flags.validator(
-    "jit_compile",
-    message="--jit_compile applies to the TensorFlow engine; under KERAS_BACKEND=jax every "
-    "training step is XLA-compiled already: drop the flag.",
-)
-def _jit_compile_on_tensorflow(value):
-    return not value or distribution_flags.engine() == "tensorflow"
-
-
-@flags.multi_flags_validator(
-    ["variant", "learning_rate", "dropout", "weight_decay", "lr_decay_steps"],
-    message=(
-        "--variant=all trains every variant with its own recipe: --learning_rate, --dropout, "
-        "--weight_decay and --lr_decay_steps would override them all alike. Drop them, or "
-        "train one --variant with them."
-    ),
-)
-def _all_keeps_the_recipes(values):
-    overrides = ("learning_rate", "dropout", "weight_decay", "lr_decay_steps")
-    return values["variant"] != "all" or all(values[name] is None for name in overrides)
-
-
-@flags.multi_flags_validator(
-    ["variant", "with_inception_x5"],
-    message="--with_inception_x5 adds a variant to --variant=all; pass --variant=inception_x5 "
-    "to train it alone.",
-)
-def _inception_x5_with_all(values):
-    return values["variant"] == "all" or not values["with_inception_x5"]
-
-
-def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides):
-    """Raises `errors.InputError` for the --num_seeds and --lr_sweep combinations refused.
-
-    --num_seeds > 1 repeats --variant=all only; --lr_sweep trains the
-    inception and bn_baseline recipes as they are (so no other --variant and
-    no recipe override) on TensorFlow, where their LRN layers build. Checked
-    by `config_from_flags` on the values it read, not by flag validators:
-    these flags are shared with mnist_sigmoid, whose values would trip a
-    validator in a process that defines both trainers' flags.
-
-    Args:
-        variant: --variant.
-        num_seeds: --num_seeds.
-        lr_sweep: the --lr_sweep multipliers, or None.
-        overrides: the recipe-overriding flags by name (--learning_rate,
-            --dropout, --weight_decay, --lr_decay_steps), None where unset.
-    """
-    if num_seeds > 1 and variant != "all":
-        raise errors.InputError(
-            "--num_seeds > 1 repeats Table 2 in miniature (--variant=all) over seeds; train one "
-            "variant's seeds each with its own --seed and --model_dir. "
-            f"Received: num_seeds={num_seeds}, variant={variant}"
-        )
-    if not lr_sweep:
-        return
-    given = [f"{name}={value}" for name, value in overrides.items() if value is not None]
-    if variant not in (VARIANT.default, "all"):
-        given.insert(0, f"variant={variant}")
-    if given:
-        raise errors.InputError(
-            "--lr_sweep trains the inception and bn_baseline recipes as they are, each at its "
-            "learning rate × each multiplier: drop --variant (or pass --variant=all), "
-            "--learning_rate, --dropout, --weight_decay and --lr_decay_steps. "
-            f"Received: {', '.join(given)}"
-        )
-    if distribution_flags.engine() != "tensorflow":
-        raise errors.InputError(
-            "--lr_sweep trains inception and bn_baseline, whose local response normalisation "
-            "(tf.nn.local_response_normalization) builds on TensorFlow only: run the sweep "
-            f"under KERAS_BACKEND=tensorflow. Received: engine={distribution_flags.engine()}"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,30 +105,34 @@ class Config(strategy_lib.DistributionConfig):
     """Everything one invocation runs with: every flag's value, the recipe resolved.
 
     Made once in `main` from the flags and logged whole (TensorBoard text
-    "config", and `summary.json`), so no flag can go unrecorded.
+    "config", and `summary.json`), so no flag can go unrecorded. The fields
+    declared `run_config.identity_field()` are the run's identity: what a
+    resumed run must share with its checkpoint.
     """
 
-    variant: str
-    recipe: inception_recipes.Recipe | None  # None for variant "all": each has its own.
+    variant: str = run_config.identity_field()
+    recipe: (
+        inception_recipes.Recipe | None
+    )  # None for variant "all": each has its own. = run_config.identity_field()
     model_dir: str
     data_dir: str | None
-    dataset: str
+    dataset: str = run_config.identity_field()
     with_inception_x5: bool
-    seed: int
+    seed: int = run_config.identity_field()
     num_seeds: int
     lr_sweep: tuple | None
     train_steps: int
-    batch_size: int
+    batch_size: int = run_config.identity_field()
     eval_every: int
     eval_steps: int | None
-    image_size: int
-    width_multiplier: float
-    use_fake_data: bool
+    image_size: int = run_config.identity_field()
+    width_multiplier: float = run_config.identity_field()
+    use_fake_data: bool = run_config.identity_field()
     steps_per_execution: int
-    mixed_precision: bool
+    mixed_precision: bool = run_config.identity_field()
     jit_compile: bool
     target_accuracy: float
-    bn_momentum_warmup: bool
+    bn_momentum_warmup: bool = run_config.identity_field()
     allow_config_change: bool
     deterministic: bool
     eval_bn_statistics: str
@@ -305,20 +140,8 @@ class Config(strategy_lib.DistributionConfig):
 
     def loop(self):
         """The `skeleton.LoopConfig` of the run."""
-        return skeleton.LoopConfig(
-            name=self.variant,
-            run_dir=self.model_dir,
-            seed=self.seed,
-            train_steps=self.train_steps,
-            eval_every=self.eval_every,
-            batch_size=self.batch_size,
-            steps_per_execution=self.steps_per_execution,
-            max_to_keep=3,
-            sync_group_size=self.sync_group_size,
-            allow_config_change=self.allow_config_change,
-            deterministic=self.deterministic,
-            eval_bn_statistics=self.eval_bn_statistics,
-            precise_bn_batches=self.precise_bn_batches,
+        return skeleton.LoopConfig.of(
+            self, name=self.variant, run_dir=self.model_dir, max_to_keep=3
         )
 
     def create_runner(self):
@@ -332,7 +155,7 @@ def config_from_flags():
 
     Raises:
         errors.InputError: for a refused --num_seeds or --lr_sweep
-            combination (`check_seeds_and_sweep`).
+            combination (`inception_sweep.check_seeds_and_sweep`).
     """
     holders = [
         run_flags.MODEL_DIR,
@@ -343,17 +166,17 @@ def config_from_flags():
         training_flags.TRAIN_STEPS,
         training_flags.BATCH_SIZE,
         training_flags.EVAL_EVERY,
-        VARIANT,
-        DATASET,
-        WITH_INCEPTION_X5,
-        IMAGE_SIZE,
-        WIDTH_MULTIPLIER,
-        USE_FAKE_DATA,
-        STEPS_PER_EXECUTION,
-        MIXED_PRECISION,
-        JIT_COMPILE,
-        EVAL_STEPS,
-        TARGET_ACCURACY,
+        inception_flags.VARIANT,
+        inception_flags.DATASET,
+        inception_flags.WITH_INCEPTION_X5,
+        inception_flags.IMAGE_SIZE,
+        inception_flags.WIDTH_MULTIPLIER,
+        inception_flags.USE_FAKE_DATA,
+        inception_flags.STEPS_PER_EXECUTION,
+        inception_flags.MIXED_PRECISION,
+        inception_flags.JIT_COMPILE,
+        inception_flags.EVAL_STEPS,
+        inception_flags.TARGET_ACCURACY,
         run_flags.ALLOW_CONFIG_CHANGE,
         run_flags.DETERMINISTIC,
         training_flags.EVAL_BN_STATISTICS,
@@ -361,14 +184,26 @@ def config_from_flags():
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
-    values = training_flags.with_defaults(summaries.flag_values(holders), TRAINING_DEFAULTS)
+    values = training_flags.values_with_defaults(holders, inception_flags.TRAINING_DEFAULTS)
     values["lr_sweep"] = training_flags.lr_multipliers()
     # --learning_rate, --dropout, --weight_decay and --lr_decay_steps override
     # the recipe, where they are recorded.
-    overrides = summaries.flag_values(
-        [training_flags.LEARNING_RATE, DROPOUT, WEIGHT_DECAY, DECAY_STEPS]
+    overrides = {
+        holder.name: holder.value
+        for holder in (
+            training_flags.LEARNING_RATE,
+            inception_flags.DROPOUT,
+            inception_flags.WEIGHT_DECAY,
+            inception_flags.DECAY_STEPS,
+        )
+    }
+    inception_sweep.check_seeds_and_sweep(
+        values["variant"],
+        values["num_seeds"],
+        values["lr_sweep"],
+        overrides,
+        inception_flags.VARIANT.default,
     )
-    check_seeds_and_sweep(values["variant"], values["num_seeds"], values["lr_sweep"], overrides)
     recipe = None  # --variant=all and --lr_sweep train several recipes.
     if values["variant"] != "all" and not values["lr_sweep"]:
         recipe = inception_recipes.resolve(
@@ -408,13 +243,12 @@ def main(argv):
         config.reporting_lost_workers(config.model_dir),
     ):
         if config.lr_sweep:
-            run_lr_sweep(config, train, spec.num_classes, writes=runner.is_chief)
+            inception_sweep.run(config, train, spec.num_classes, writes=runner.is_chief)
         elif config.variant == "all":
-            inception_table2.run(
-                config, train, inception_task.config_values, writes=runner.is_chief
-            )
+            inception_table2.run(config, train, run_config.flat_values, writes=runner.is_chief)
             if runner.is_chief:
-                show_paths(config, "table2.md")
+                files = {"summary": "summary.json", "table 2": "table2.md"}
+                console.show([""] + console.result_paths(config.model_dir, files))
         else:
             history = train(config)
             if runner.is_chief:
@@ -432,15 +266,7 @@ def show_result(config, history):
         inception_task.steps_to_target(evals, config.target_accuracy),
     )
     console.show([""] + console.table(["variant", "final top-1", "best top-1", target], [row]))
-    show_paths(config)
-
-
-def show_paths(config, *names):
-    """Where the run's results are: summary.json, `names` at the model_dir, TensorBoard."""
-    lines = [f"summary:     {os.path.join(config.model_dir, 'summary.json')}"]
-    lines += [f"{name + ':':<12} {os.path.join(config.model_dir, name)}" for name in names]
-    lines.append(f"TensorBoard: tensorboard --logdir {config.model_dir}")
-    console.show([""] + lines)
+    console.show([""] + console.result_paths(config.model_dir, {"summary": "summary.json"}))
 
 
 def train_variant(config, spec, runner):
@@ -454,36 +280,8 @@ def train_variant(config, spec, runner):
     return history
 
 
-# --lr_sweep compares these two recipes, the same but for BN.
-SWEEP_VARIANTS = ("inception", "bn_baseline")
-
-
-def sweep_config(config, variant, multiplier):
-    """One run of --lr_sweep: the variant's config of --variant=all, its rate × `multiplier`."""
-    one = inception_table2.variant_config(config, variant)
-    recipe = dataclasses.replace(one.recipe, learning_rate=one.recipe.learning_rate * multiplier)
-    model_dir = lr_sweep.run_dir(config.model_dir, variant, multiplier)
-    return dataclasses.replace(one, recipe=recipe, model_dir=model_dir)
-
-
-def run_lr_sweep(config, train_variant, num_classes, writes=True):
-    """--lr_sweep: inception and bn_baseline at each multiple of their rate (`lr_sweep`).
-
-    Each recipe's decay interval is scaled to --train_steps as in --variant=all.
-    """
-    sweep = lr_sweep.Sweep(
-        model_dir=config.model_dir,
-        networks=SWEEP_VARIANTS,
-        multipliers=config.lr_sweep,
-        base_learning_rates={v: inception_recipes.RECIPES[v].learning_rate for v in SWEEP_VARIANTS},
-        num_classes=num_classes,
-        accuracy_key="top1",
-        config=inception_task.config_values(config),
-    )
-    writer = summaries.root_writer(config.model_dir) if writes else None
-    return lr_sweep.run(sweep, lambda v, m: train_variant(sweep_config(config, v, m)), writer)
-
-
 if __name__ == "__main__":
-    training_flags.set_defaults(**TRAINING_DEFAULTS)  # Shown by --help; not at import.
+    training_flags.set_defaults(
+        **inception_flags.TRAINING_DEFAULTS
+    )  # Shown by --help; not at import.
     app.run(main)

@@ -48,7 +48,6 @@ figure1.png or summary.json then):
 """
 
 import dataclasses
-import math
 import os
 
 from absl import app
@@ -56,6 +55,7 @@ from absl import flags
 
 from flags import batch_norm_flags as batch_norm_flags
 from flags import distribution_flags as distribution_flags
+from flags import mnist_flags as mnist_flags
 from flags import run_flags as run_flags
 from flags import training_flags as training_flags
 from trainers.engines import strategy as strategy_lib
@@ -65,38 +65,14 @@ from trainers.mnist import report as mnist_report
 from trainers.mnist import task as mnist_task
 from trainers.reporting import console
 from trainers.reporting import lr_sweep
-from trainers.reporting import summaries
+from trainers.reporting import tensorboard_writers
 from trainers.run import errors
 from trainers.run import model_dirs
+from trainers.run import run_config
 from trainers.run import skeleton
 
-NORM = flags.DEFINE_enum(
-    "norm",
-    "both",
-    ["none", "batch_norm", "both"],
-    "none: the sigmoid baseline; batch_norm: BN before every sigmoid; both: "
-    "run the two in turn with the same seed and data order.",
-)
-INIT_STD = flags.DEFINE_float(
-    "init_std", 0.1, "Std of the Gaussian weight initialisation.", lower_bound=0.0
-)
-flags.register_validator(
-    "init_std", math.isfinite, message="--init_std must be a finite number >= 0."
-)
-PROBE_SIZE = flags.DEFINE_integer(
-    "probe_size",
-    1000,
-    "Test images in the fixed probe batch for the percentiles and histograms.",
-    lower_bound=2,
-)
-TRAIN_SUBSET = flags.DEFINE_integer(
-    "train_subset",
-    None,
-    "Use only the first N training examples (smoke runs). Default: all 60,000.",
-    lower_bound=1,
-)
-# This trainer's defaults of the shared training flags: the paper's §4.1 setup.
-TRAINING_DEFAULTS = dict(train_steps=50_000, batch_size=60, learning_rate=0.5, eval_every=500)
+# --help lists this trainer's own flags first.
+flags.adopt_module_key_flags(mnist_flags)
 
 TRAINER = "trainers.mnist_sigmoid"  # Recorded in --model_dir (see trainers/run/model_dirs.py).
 RUN_NAMES = mnist_model.RUN_NAMES
@@ -108,24 +84,26 @@ class Config(strategy_lib.DistributionConfig):
 
     Made once in `main` from the flags and logged whole (TensorBoard text
     "config" of each run, and `summary.json`), so no flag can go unrecorded.
+    The fields declared `run_config.identity_field()` are a run's identity:
+    what a resumed run must share with its checkpoint, and its HParams.
     """
 
     model_dir: str
     data_dir: str | None
-    seed: int
+    seed: int = run_config.identity_field()
     train_steps: int
-    batch_size: int
-    learning_rate: float
+    batch_size: int = run_config.identity_field()
+    learning_rate: float = run_config.identity_field()
     eval_every: int
-    norm: str
-    init_std: float
+    norm: str = run_config.identity_field()
+    init_std: float = run_config.identity_field()
     probe_size: int
     num_seeds: int
     lr_sweep: tuple | None
     # Not a flag: the multiplier of one run of a sweep (`sweep_config`), None outside one.
     lr_multiplier: float | None = dataclasses.field(default=None, kw_only=True)
-    train_subset: int | None
-    bn_momentum_warmup: bool
+    train_subset: int | None = run_config.identity_field()
+    bn_momentum_warmup: bool = run_config.identity_field()
     allow_config_change: bool
     deterministic: bool
     eval_bn_statistics: str
@@ -152,20 +130,13 @@ class Config(strategy_lib.DistributionConfig):
 
     def loop(self, norm, seed):
         """The `skeleton.LoopConfig` of the run of network `norm` with `seed`."""
-        return skeleton.LoopConfig(
+        return skeleton.LoopConfig.of(
+            self,
             name=f"{RUN_NAMES[norm]} seed {seed}",
             run_dir=self.run_dir(norm, seed),
             seed=seed,
-            train_steps=self.train_steps,
-            eval_every=self.eval_every,
-            batch_size=self.batch_size,
             steps_per_execution=None,
             max_to_keep=2,
-            sync_group_size=self.sync_group_size,
-            allow_config_change=self.allow_config_change,
-            deterministic=self.deterministic,
-            eval_bn_statistics=self.eval_bn_statistics,
-            precise_bn_batches=self.precise_bn_batches,
         )
 
 
@@ -179,12 +150,12 @@ def config_from_flags():
         training_flags.BATCH_SIZE,
         training_flags.LEARNING_RATE,
         training_flags.EVAL_EVERY,
-        NORM,
-        INIT_STD,
-        PROBE_SIZE,
+        mnist_flags.NORM,
+        mnist_flags.INIT_STD,
+        mnist_flags.PROBE_SIZE,
         run_flags.NUM_SEEDS,
         training_flags.LR_SWEEP,
-        TRAIN_SUBSET,
+        mnist_flags.TRAIN_SUBSET,
         run_flags.ALLOW_CONFIG_CHANGE,
         run_flags.DETERMINISTIC,
         training_flags.EVAL_BN_STATISTICS,
@@ -192,7 +163,7 @@ def config_from_flags():
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
-    values = training_flags.with_defaults(summaries.flag_values(holders), TRAINING_DEFAULTS)
+    values = training_flags.values_with_defaults(holders, mnist_flags.TRAINING_DEFAULTS)
     return Config(**{**values, "lr_sweep": training_flags.lr_multipliers()})
 
 
@@ -247,8 +218,10 @@ def main(argv):
     ):
         root = None
         if runner.is_chief:
-            root = summaries.root_writer(config.model_dir)
-            mnist_report.write_dashboards(root, [RUN_NAMES[n] for n in config.networks])
+            root = tensorboard_writers.root_writer(config.model_dir)
+            mnist_report.write_dashboards(
+                root, [RUN_NAMES[n] for n in config.networks], run_config.identity_names(Config)
+            )
         if config.lr_sweep:
             run_sweep(config, runner, (train, test), root)
             return
@@ -263,5 +236,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    training_flags.set_defaults(**TRAINING_DEFAULTS)  # Shown by --help; not at import.
+    training_flags.set_defaults(**mnist_flags.TRAINING_DEFAULTS)  # Shown by --help; not at import.
     app.run(main)

@@ -17,17 +17,17 @@ multi-process job follows Keras' convention: `keras.distribution.initialize`
 reads `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`
 and `KERAS_DISTRIBUTION_PROCESS_ID`; each process feeds its own rows of every
 global batch, process 0 writes the summaries and history, and every process
-takes part in the orbax checkpoints (`OrbaxCheckpointer`).
+takes part in the orbax checkpoints
+(`trainers.run.checkpoints.OrbaxCheckpointer`).
 """
 
 import os
 import re
 
-from absl import logging
 import numpy as np
 
+from trainers.run import checkpoints
 from trainers.run import errors
-from trainers.run import model_dirs
 
 _HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
@@ -159,7 +159,7 @@ class JaxRunner:
 
     def checkpointer(self, run_dir, max_to_keep, model, optimizer):
         """An `OrbaxCheckpointer` of `model` and `optimizer` in `run_dir/checkpoints`."""
-        return OrbaxCheckpointer(run_dir, max_to_keep, model, optimizer)
+        return checkpoints.OrbaxCheckpointer(run_dir, max_to_keep, model, optimizer)
 
     def _local_rows(self, dataset):
         """`dataset`'s global batches cut to this process's rows (all of them in one process)."""
@@ -284,167 +284,3 @@ def _host(value):
     if hasattr(value, "is_fully_addressable") and not value.is_fully_addressable:
         value = value.addressable_data(0)
     return np.asarray(value)
-
-
-class OrbaxCheckpointer:
-    """A run's checkpoints through `orbax.checkpoint`: every model and optimizer value by step.
-
-    `run_dir/checkpoints/<step>/`, one `orbax.checkpoint.CheckpointManager`
-    step of the values (`StandardSave`): `[model values]` and `[optimizer
-    values]` by position, checked by shape when restored (names differ:
-    auto-numbered objects such as an optimizer's "sgd_1" differ between
-    processes). `run_dir` may be local, a `file://` URL or remote (gs://...,
-    as `etils.epath` reads it). Orbax writes a step into a temporary
-    directory and commits it whole (a rename, or a commit file on GCS), so a
-    save killed halfway leaves no step, only a temporary directory that
-    restores ignore and a save of that step replaces. Every process of a job
-    saves and restores together (orbax writes each array once, from the
-    process that holds its first replica, and synchronises the processes),
-    so a relaunch of all processes resumes at the same step.
-
-    Args:
-        run_dir: the run's directory.
-        max_to_keep: how many of the newest checkpoints to keep.
-        model: the `keras.Model` whose `variables` are checkpointed.
-        optimizer: the built optimizer whose `variables` are checkpointed.
-    """
-
-    def __init__(self, run_dir, max_to_keep, model, optimizer):
-        import orbax.checkpoint as ocp
-
-        # Orbax's paths (etils.epath) read no file:// URLs, and its local
-        # paths must be absolute.
-        local = model_dirs.local_path(run_dir)
-        root = run_dir if local is None else os.path.abspath(local)
-        self._dir = os.path.join(root, "checkpoints")
-        self._variables = {"model": model.variables, "optimizer": optimizer.variables}
-        self._manager = ocp.CheckpointManager(
-            self._dir,
-            # Registered up front: a fresh manager reads no step's metadata without it.
-            item_handlers=ocp.StandardCheckpointHandler(),
-            options=ocp.CheckpointManagerOptions(
-                preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
-                # The caller treats a returned save as committed.
-                enable_async_checkpointing=False,
-            ),
-        )
-
-    def _path(self, step):
-        return os.path.join(self._dir, str(step))
-
-    def steps(self):
-        """The committed checkpoints' steps, ascending."""
-        return sorted(self._manager.all_steps())
-
-    def restore(self):
-        """Restores the newest readable checkpoint, if any; returns its step (0 if none).
-
-        An unreadable checkpoint (damaged or missing files) is logged in one
-        line and passed over for the one before it. Nothing is deleted here
-        (a passing read error must not cost a good checkpoint): `save`
-        replaces a step that exists when the run reaches it again.
-
-        Raises:
-            errors.InputError: if checkpoints exist but none is readable,
-                or the newest readable one holds another model's values.
-        """
-        steps = self.steps()
-        unreadable = []
-        for step in reversed(steps):
-            try:
-                values = self._read(step)
-            except errors.InputError:
-                raise
-            # Damaged files raise whatever the reader hits first (tensorstore's
-            # ValueError, a JSON error, an OSError ...): any of them marks the step unreadable.
-            except Exception as error:
-                logging.warning(
-                    "Checkpoint %s is unreadable (%s); trying the one before it.",
-                    self._path(step),
-                    _one_line(error),
-                )
-                unreadable.append((step, error))
-                continue
-            for owner, variables in self._variables.items():
-                for variable, value in zip(variables, values[owner]):
-                    variable.assign(value)
-            logging.info("Resumed from %s at step %d", self._path(step), step)
-            return step
-        if unreadable:
-            raise errors.InputError(
-                f"No checkpoint under {self._dir} is readable "
-                f"({', '.join(self._path(s) for s, _ in unreadable)}; the newest: "
-                f"{_one_line(unreadable[0][1])}); delete them to start afresh, or pass "
-                "another --model_dir."
-            )
-        return 0
-
-    def _read(self, step):
-        """Checkpoint `step`'s values, laid out as the variables are.
-
-        Raises:
-            errors.InputError: if it holds another model's values.
-        """
-        import jax
-        import orbax.checkpoint as ocp
-
-        metadata = self._manager.item_metadata(step)
-        if metadata is None:
-            raise ValueError("no readable item metadata")
-        self._check_shapes(step, getattr(metadata, "tree", metadata))
-        # Read straight into each variable's layout: a process reads only the
-        # shards it holds.
-        target = {
-            owner: [
-                jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=v.value.sharding)
-                for v in variables
-            ]
-            for owner, variables in self._variables.items()
-        }
-        return self._manager.restore(step, args=ocp.args.StandardRestore(target))
-
-    def _check_shapes(self, step, saved):
-        """Raises `errors.InputError` unless `saved` (metadata) has the variables' shapes."""
-        for owner, variables in self._variables.items():
-            shapes = [tuple(m.shape) for m in (saved or {}).get(owner, [])]
-            expected = [tuple(v.shape) for v in variables]
-            if shapes != expected:
-                mismatch = next(
-                    (
-                        f"{variables[i].path} has shape {shapes[i]} there, {expected[i]} here"
-                        for i in range(min(len(shapes), len(expected)))
-                        if shapes[i] != expected[i]
-                    ),
-                    f"it holds {len(shapes)} {owner} values, this {owner} has {len(expected)}",
-                )
-                raise errors.InputError(
-                    f"Checkpoint {self._path(step)} is of another model ({mismatch}); pass "
-                    "another --model_dir, or delete its checkpoints to start afresh."
-                )
-
-    def save(self, step):
-        """Commits a checkpoint at `step` (every process), keeping the newest `max_to_keep`."""
-        import orbax.checkpoint as ocp
-
-        values = {
-            owner: [v.value for v in variables] for owner, variables in self._variables.items()
-        }
-        if step in self._manager.all_steps():  # An unreadable one passed over by `restore`.
-            self._manager.delete(step)
-        # force: orbax's own save policy would skip a step silently.
-        self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
-        self._manager.wait_until_finished()
-
-    def close(self):
-        """Waits for orbax's background work (deletions) and releases it."""
-        self._manager.close()
-
-
-def _one_line(error, limit=400):
-    """`error` as one line of at most about `limit` characters: its type and message.
-
-    A tensorstore error's trailing spec (a JSON dump of the reader's
-    settings) is left out: the cause comes before it.
-    """
-    text = str(error).split(" [tensorstore_spec=")[0]
-    return f"{type(error).__name__}: {errors.one_line(text, limit)}"

@@ -16,6 +16,7 @@ import keras
 
 from trainers.engines import devices
 from trainers.run import errors
+from trainers.run import run_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +30,8 @@ class DistributionConfig:
     tpu: str | None
     num_cpu_devices: int | None
     num_gpu_devices: int | None
-    sync_batch_norm: bool
-    sync_group_size: int | None
+    sync_batch_norm: bool = run_config.identity_field()
+    sync_group_size: int | None = run_config.identity_field()
     # The Keras backend the run trains on, recorded with the configuration.
     engine: str = dataclasses.field(default_factory=keras.backend.backend, kw_only=True)
 
@@ -144,13 +145,13 @@ def _last_checkpoint(model_dir):
     """
     import tensorflow as tf
 
-    from trainers.engines import tf_runner
+    from trainers.run import checkpoints
 
     found = [
         (tf.io.gfile.stat(prefix + ".index").mtime_nsec, step, prefix)
         for directory, _, _ in tf.io.gfile.walk(model_dir)
         if os.path.basename(directory.rstrip("/")) == "checkpoints"
-        for step, prefix in tf_runner.checkpoint_prefixes(directory)
+        for step, prefix in checkpoints.checkpoint_prefixes(directory)
     ]
     if not found:
         return None

@@ -30,10 +30,11 @@ import difflib
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from trainers.inception import recipes as inception_recipes
 from trainers.run import data_checks
 from trainers.run import errors
 
-IMAGENET = "imagenet2012"
+IMAGENET = inception_recipes.PAPER_DATASET
 NUM_CLASSES = 1000  # imagenet2012's; fake data uses it too.
 HOW_TO_GET = (
     "TFDS cannot download ImageNet: put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "

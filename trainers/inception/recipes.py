@@ -20,6 +20,7 @@ and decay interval, momentum) are this project's choices, marked below.
 
 import dataclasses
 
+PAPER_DATASET = "imagenet2012"  # TFDS's name of the paper's ImageNet (ILSVRC 2012).
 BASE_LEARNING_RATE = 0.0015  # Paper §4.2.2.
 BASE_WEIGHT_DECAY = 4e-5  # Not stated in the paper (our choice).
 BASE_DECAY_STEPS = 240_000  # Steps per ×DECAY_RATE decay; not stated (our choice).

@@ -30,8 +30,8 @@ import tensorflow as tf
 
 from flags import run_flags as run_flags
 from trainers.inception import recipes as inception_recipes
-from trainers.reporting import summaries
-from trainers.reporting import tb_report
+from trainers.reporting import tensorboard_writers
+from trainers.run import json_files
 
 REFERENCE = "inception"  # Table 2's "steps to" threshold is this variant's best top-1.
 # The root's custom-scalars charts: each variant's run is one line.
@@ -232,7 +232,7 @@ def plot_figure(runs, references, path):
 
     With several seeds each line is the mean over seeds, with a min–max band.
     """
-    plt = tb_report.pyplot()
+    plt = tensorboard_writers.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     seeds = max((len(per_seed) for per_seed in runs.values()), default=1)
     for variant, per_seed in runs.items():
@@ -250,7 +250,7 @@ def plot_figure(runs, references, path):
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")  # Early steps: the lines are still low there.
     fig.tight_layout()
-    return tb_report.save_figure(fig, path)
+    return tensorboard_writers.save_figure(fig, path)
 
 
 def results(evals_by_seed):
@@ -267,8 +267,8 @@ def write_results(model_dir, evals_by_seed, extra):
     """Rewrites summary.json and table2.md at `model_dir` from the runs so far."""
     table = results(evals_by_seed)
     text = markdown(table) if len(evals_by_seed) == 1 else markdown_over_seeds(table)
-    summaries.write_json(os.path.join(model_dir, "summary.json"), {**table, **extra})
-    summaries.write_text(os.path.join(model_dir, "table2.md"), text)
+    json_files.write_json(os.path.join(model_dir, "summary.json"), {**table, **extra})
+    json_files.write_text(os.path.join(model_dir, "table2.md"), text)
     return table
 
 
@@ -281,7 +281,7 @@ def write_figure(writer, model_dir, evals_by_seed, step):
     references = [t["reference_top1"] for t in map(table2, evals_by_seed.values())]
     references = [r for r in references if r is not None]
     png = plot_figure(runs, references, os.path.join(model_dir, "figure2.png"))
-    tb_report.write_image(
+    tensorboard_writers.write_image(
         writer,
         "figure2",
         png,
@@ -308,9 +308,9 @@ def run(config, train_variant, config_values, writes=True):
         with several.
     """
     tf.io.gfile.makedirs(config.model_dir)
-    writer = summaries.root_writer(config.model_dir) if writes else None
+    writer = tensorboard_writers.root_writer(config.model_dir) if writes else None
     if writes:
-        tb_report.write_custom_scalars(writer, "Table 2", CHARTS)
+        tensorboard_writers.write_custom_scalars(writer, "Table 2", CHARTS)
     names = variants(config.with_inception_x5)
     seeds = run_flags.seeds(config.seed, config.num_seeds)
     evals_by_seed = {seed: {} for seed in seeds}

@@ -4,7 +4,6 @@
 `InceptionRun` for each variant through the shared loop (`trainers.run.skeleton`).
 """
 
-import dataclasses
 import os
 
 import keras
@@ -14,8 +13,9 @@ from trainers.inception import data as image_data
 from trainers.inception import model as inception_model
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import table2 as inception_table2
-from trainers.reporting import summaries
-from trainers.reporting import tb_report
+from trainers.reporting import tensorboard_writers
+from trainers.run import json_files
+from trainers.run import run_config
 from trainers.run import skeleton
 
 # With --eval_bn_statistics=precise, in each run: the two statistics' accuracies in one chart.
@@ -73,14 +73,6 @@ def steps_to_target(evals, target_accuracy):
     return inception_table2.first_step_reaching(evals, target_accuracy)
 
 
-def config_values(config):
-    """The config as a flat dict (recipe fields prefixed "recipe.") for logging."""
-    values = dataclasses.asdict(config)
-    recipe = values.pop("recipe") or {}
-    values.update({f"recipe.{k}": v for k, v in recipe.items()})
-    return values
-
-
 class InceptionRun(skeleton.Task):
     """One variant trained on `spec`'s data set (or fake data) and evaluated on its eval split.
 
@@ -133,33 +125,15 @@ class InceptionRun(skeleton.Task):
         self.monitor = None
         if self.recipe.batch_norm:
             probe_images = next(iter(self.eval_data))[0].numpy()
-            self.monitor = summaries.make_monitor(
+            self.monitor = tensorboard_writers.make_monitor(
                 model, probe_images, group_by=inception_model.bn_stage
             )
 
-    def config_values(self):
-        return config_values(self.config)
-
-    def identity(self):
-        values = config_values(self.config)
-        keys = (
-            "variant",
-            "seed",
-            "batch_size",
-            "dataset",
-            "image_size",
-            "width_multiplier",
-            "use_fake_data",
-            "mixed_precision",
-            "bn_momentum_warmup",
-            "sync_batch_norm",
-            "sync_group_size",
-        )
-        return {k: v for k, v in values.items() if k in keys or k.startswith("recipe.")}
-
     def write_start(self, writer):
         if self.config.eval_bn_statistics == "precise":
-            tb_report.write_custom_scalars(writer, "Precise BN statistics", PRECISE_CHARTS)
+            tensorboard_writers.write_custom_scalars(
+                writer, "Precise BN statistics", PRECISE_CHARTS
+            )
 
     def train_dataset(self, start_step):
         # The batches (order and distortions) are a function of (seed, step),
@@ -202,7 +176,7 @@ class InceptionRun(skeleton.Task):
 def write_summary(config, history):
     """summary.json: final and best top-1, steps to the target, the paper's numbers, config."""
     evals = history["evals"]
-    summaries.write_json(
+    json_files.write_json(
         os.path.join(config.model_dir, "summary.json"),
         {
             "variant": config.variant,
@@ -211,6 +185,6 @@ def write_summary(config, history):
             "best_top1": max((e["top1"] for e in evals), default=None),
             "steps_to_target": steps_to_target(evals, config.target_accuracy),
             "paper": inception_recipes.PAPER_RESULTS[config.variant],
-            "config": config_values(config),
+            "config": run_config.flat_values(config),
         },
     )

@@ -4,8 +4,9 @@ Runs are keyed by network name ("baseline", "batch_norm") and hold one
 history per seed (see `trainers.mnist_sigmoid`). TensorBoard gets:
 - at the model_dir root: a custom-scalars layout (one chart per network with
   its p15/p50/p85 sigmoid-input lines, one test-accuracy chart with both
-  networks), the HParams experiment (network, learning rate, init std, seed,
-  batch size; final and best test accuracy and the first step at ≥ 97%), and
+  networks), the HParams experiment (the runs' identity settings: network,
+  seed, batch size, learning rate, ...; final and best test accuracy and the
+  first step at ≥ 97%), and
   the Figure 1 image at the end;
 - in each run: its hyperparameters and, when it finishes, its metrics.
 """
@@ -13,20 +14,13 @@ history per seed (see `trainers.mnist_sigmoid`). TensorBoard gets:
 import io
 
 import numpy as np
-from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 from tensorboard.plugins.hparams import api as hp
 import tensorflow as tf
 
+from trainers.reporting import tensorboard_writers
+
 PERCENTILES = (15, 50, 85)
 TARGET_ACCURACY = 0.97
-HPARAMS = {
-    "network": hp.HParam("network", hp.Discrete(["baseline", "batch_norm"])),
-    "learning_rate": hp.HParam("learning_rate", hp.RealInterval(0.0, 100.0)),
-    "init_std": hp.HParam("init_std", hp.RealInterval(0.0, 100.0)),
-    "seed": hp.HParam("seed", hp.IntInterval(0, 2**31 - 1)),
-    "batch_size": hp.HParam("batch_size", hp.IntInterval(1, 2**31 - 1)),
-}
 METRICS = {
     "final_test_accuracy": "Test accuracy after the last step.",
     "best_test_accuracy": "Best test accuracy over the evaluations.",
@@ -50,44 +44,29 @@ def percentile_tag(network, q):
     return f"sigmoid_input/{network}/p{q}"
 
 
-def write_dashboards(writer, networks):
-    """The custom-scalars layout and the HParams experiment, at the root."""
-    charts = [
-        layout_pb2.Chart(
-            title="test accuracy, both networks",
-            multiline=layout_pb2.MultilineChartContent(tag=[r"^eval/test_accuracy$"]),
-        )
-    ]
-    charts += [
-        layout_pb2.Chart(
-            title=f"{network}: sigmoid input p15/p50/p85",
-            multiline=layout_pb2.MultilineChartContent(tag=[rf"^sigmoid_input/{network}/p\d+$"]),
-        )
-        for network in networks
-    ]
-    layout = layout_pb2.Layout(category=[layout_pb2.Category(title="Figure 1", chart=charts)])
+def write_dashboards(writer, networks, hparams):
+    """The custom-scalars layout and the HParams experiment (`hparams`: names), at the root."""
+    charts = {"test accuracy, both networks": [r"^eval/test_accuracy$"]}
+    charts.update(
+        {
+            f"{network}: sigmoid input p15/p50/p85": [rf"^sigmoid_input/{network}/p\d+$"]
+            for network in networks
+        }
+    )
+    tensorboard_writers.write_custom_scalars(writer, "Figure 1", charts)
     with writer.as_default():
-        tf.summary.experimental.write_raw_pb(
-            custom_scalar_summary.pb(layout).SerializeToString(), step=0
-        )
         hp.hparams_config(
-            hparams=list(HPARAMS.values()),
+            hparams=[hp.HParam(name) for name in hparams],
             metrics=[hp.Metric(f"hparams/{name}", description=d) for name, d in METRICS.items()],
         )
     writer.flush()
 
 
-def write_run_hparams(writer, network, config, seed, trial_id):
-    """The run's hyperparameters (HParams' session start), once per fresh run."""
-    values = {
-        "network": network,
-        "learning_rate": config.learning_rate,
-        "init_std": config.init_std,
-        "seed": seed,
-        "batch_size": config.batch_size,
-    }
+def write_run_hparams(writer, identity, trial_id):
+    """The run's hyperparameters, its identity (HParams' session start), once per fresh run."""
     with writer.as_default():
-        hp.hparams({HPARAMS[k]: v for k, v in values.items()}, trial_id=trial_id)
+        # HParams takes numbers, strings and booleans: an unset setting is left out.
+        hp.hparams({k: v for k, v in identity.items() if v is not None}, trial_id=trial_id)
 
 
 def run_metrics(history):

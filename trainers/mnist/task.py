@@ -16,8 +16,9 @@ from trainers.mnist import data as mnist_data
 from trainers.mnist import model as mnist_model
 from trainers.mnist import report as mnist_report
 from trainers.reporting import console
-from trainers.reporting import summaries
-from trainers.reporting import tb_report
+from trainers.reporting import tensorboard_writers
+from trainers.run import json_files
+from trainers.run import run_config
 from trainers.run import skeleton
 
 RUN_NAMES = mnist_model.RUN_NAMES
@@ -38,7 +39,9 @@ class MnistRun(skeleton.Task):
     """
 
     def __init__(self, config, norm, seed, train, test):
-        self.config, self.norm, self.seed = config, norm, seed
+        # The run's config: the invocation's, with this run's network and seed.
+        self.config = dataclasses.replace(config, norm=norm, seed=seed)
+        self.norm, self.seed = norm, seed
         self.network = RUN_NAMES[norm]
         self.train, self.test = train, test
         self.latest_probes = []  # Histogram values of the last evaluation (not in the history).
@@ -64,32 +67,15 @@ class MnistRun(skeleton.Task):
         self.pre_activations = runner.compile(lambda x: self.probe(x, training=False), model)
         self.monitor = None
         if self.norm == "batch_norm":
-            self.monitor = summaries.make_monitor(model, test_images[:probe_size])
-
-    def config_values(self):
-        """The invocation's config with this run's network and seed."""
-        run_config = dataclasses.replace(self.config, norm=self.norm, seed=self.seed)
-        return {**dataclasses.asdict(run_config), "network": self.network}
-
-    def identity(self):
-        config = self.config
-        return {
-            "network": self.network,
-            "seed": self.seed,
-            "batch_size": config.batch_size,
-            "learning_rate": config.learning_rate,
-            "init_std": config.init_std,
-            "train_subset": config.train_subset,
-            "bn_momentum_warmup": config.bn_momentum_warmup,
-            "sync_batch_norm": config.sync_batch_norm,
-            "sync_group_size": config.sync_group_size,
-        }
+            self.monitor = tensorboard_writers.make_monitor(model, test_images[:probe_size])
 
     def write_start(self, writer):
         trial = os.path.relpath(self.config.run_dir(self.norm, self.seed), self.config.model_dir)
-        mnist_report.write_run_hparams(writer, self.network, self.config, self.seed, trial)
+        mnist_report.write_run_hparams(writer, run_config.identity(self.config), trial)
         if self.config.eval_bn_statistics == "precise":
-            tb_report.write_custom_scalars(writer, "Precise BN statistics", PRECISE_CHARTS)
+            tensorboard_writers.write_custom_scalars(
+                writer, "Precise BN statistics", PRECISE_CHARTS
+            )
 
     def train_dataset(self, start_step):
         images, labels = self.train
@@ -166,7 +152,7 @@ def write_results(config, runs, root):
         "runs": mnist_report.summarize(runs, config.seeds),
         "config": dataclasses.asdict(config),
     }
-    summaries.write_json(os.path.join(config.model_dir, "summary.json"), summary)
+    json_files.write_json(os.path.join(config.model_dir, "summary.json"), summary)
     num_seeds = len(config.seeds)
     rows = []
     for name, run in summary["runs"].items():
@@ -180,12 +166,10 @@ def write_results(config, runs, root):
     console.show(
         [""]
         + console.table(headers, rows)
-        + [
-            "",
-            f"summary:     {os.path.join(config.model_dir, 'summary.json')}",
-            f"figure 1:    {os.path.join(config.model_dir, 'figure1.png')}",
-            f"TensorBoard: tensorboard --logdir {config.model_dir}",
-        ]
+        + [""]
+        + console.result_paths(
+            config.model_dir, {"summary": "summary.json", "figure 1": "figure1.png"}
+        )
     )
 
 

@@ -154,6 +154,12 @@ def _cell(value):
     return str(value)
 
 
+def result_paths(model_dir, files):
+    """Lines naming where a run's results are: `files` (label: name in `model_dir`), TensorBoard."""
+    lines = [f"{label + ':':<12} {os.path.join(model_dir, name)}" for label, name in files.items()]
+    return lines + [f"TensorBoard: tensorboard --logdir {model_dir}"]
+
+
 def show(lines):
     """Prints `lines` to stdout: results a person reads, without log prefixes."""
     print("\n".join(lines), flush=True)

@@ -23,8 +23,8 @@ import dataclasses
 import math
 import os
 
-from trainers.reporting import summaries
-from trainers.reporting import tb_report
+from trainers.reporting import tensorboard_writers
+from trainers.run import json_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ def markdown(summary, divergence_loss):
 
 def plot_figure(summary, path):
     """Final accuracy against learning rate (log x), one line per network; returns the PNG."""
-    plt = tb_report.pyplot()
+    plt = tensorboard_writers.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for network, entry in summary.items():
         runs = sorted(entry["runs"].values(), key=lambda p: p["learning_rate"])
@@ -170,14 +170,14 @@ def plot_figure(summary, path):
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
-    return tb_report.save_figure(fig, path)
+    return tensorboard_writers.save_figure(fig, path)
 
 
 def write_results(sweep, points):
     """Rewrites lr_sweep.json, lr_sweep.md and lr_sweep.png from the runs so far; the PNG back."""
     summary = summarize(points)
     divergence_loss = math.log(sweep.num_classes)
-    summaries.write_json(
+    json_files.write_json(
         os.path.join(sweep.model_dir, "lr_sweep.json"),
         {
             "networks": summary,
@@ -188,7 +188,7 @@ def write_results(sweep, points):
             "config": sweep.config,
         },
     )
-    summaries.write_text(
+    json_files.write_text(
         os.path.join(sweep.model_dir, "lr_sweep.md"), markdown(summary, divergence_loss)
     )
     return plot_figure(summary, os.path.join(sweep.model_dir, "lr_sweep.png"))
@@ -223,7 +223,7 @@ def run(sweep, train_one, writer):
                 png = write_results(sweep, points)
     if png is not None:
         steps = max(p["steps"] for runs in points.values() for p in runs.values())
-        tb_report.write_image(
+        tensorboard_writers.write_image(
             writer,
             "lr_sweep",
             png,

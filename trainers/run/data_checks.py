@@ -1,15 +1,17 @@
 """Checks of a data set before training, and the file a corrupt record came from.
 
 `check_tfds_data` looks at a prepared TFDS data set before any model is
-built: its version directory, its shard files, and as far as is cheap their
-TFRecord framing and checksums. What it cannot see, a corrupt record met in
-training, `one_line_errors` names through `name_corrupt_file`.
+built: its version directory, the shard files TFDS's own `DatasetInfo` lists
+(`tfds.builder_from_directory`), and as far as is cheap their TFRecord
+framing and checksums (TFDS checks no shard before reading it). What it
+cannot see, a corrupt record met in training, `one_line_errors` names through `name_corrupt_file`.
 """
 
-import json
 import os
 import re
 import struct
+
+from google.protobuf import json_format
 
 from trainers.run.errors import CorruptDataError
 from trainers.run.errors import InputError
@@ -28,7 +30,7 @@ def tfds_default_dir():
 def check_tfds_data(data_dir, name, splits, how_to_get):
     """Checks that TFDS data set `name` is prepared under `data_dir` with intact shards of `splits`.
 
-    Reads `dataset_info.json` of the newest version directory
+    Reads TFDS's info of the newest version directory
     `data_dir/name/<version>/` (`data_dir=None`: TFDS's default directory; a
     remote `data_dir` is left to TFDS), lists its shard files and checks
     them as far as is cheap (`_corrupt_shard`): a small data set whole, a
@@ -49,9 +51,15 @@ def check_tfds_data(data_dir, name, splits, how_to_get):
             f"{name} was not found under {where}: no {os.path.join(directory, name)}/<version>/"
             f"dataset_info.json. {how_to_get}"
         )
-    info = _dataset_info(version_dir)
-    shards = {} if info is None else _shards(version_dir, name, info)
-    missing = ["dataset_info.json"] if info is None else _missing_files(version_dir, shards, splits)
+    try:
+        info = _dataset_info(version_dir)
+    except _UNREADABLE_INFO as error:
+        raise MissingDataError(
+            f"{name} under {where} is incomplete: TFDS cannot read the info of {version_dir} "
+            f"({type(error).__name__}: {' '.join(str(error).split())}). {how_to_get}"
+        ) from None
+    shards = _shards(info)
+    missing = _missing_files(version_dir, shards, splits)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise MissingDataError(
@@ -83,11 +91,11 @@ def split_sizes(data_dir, name):
     Empty when there is no readable local copy (a remote `data_dir` included).
     """
     version_dir = None if is_remote(data_dir or "") else prepared_version_dir(data_dir, name)
-    info = version_dir and _dataset_info(version_dir)
-    return {
-        split["name"]: sum(int(n) for n in split.get("shardLengths", []))
-        for split in (info or {}).get("splits", [])
-    }
+    try:
+        info = _dataset_info(version_dir) if version_dir else None
+    except _UNREADABLE_INFO:
+        info = None
+    return {split.name: split.num_examples for split in info.splits.values()} if info else {}
 
 
 def check_batch_size(batch_size, num_examples, examples):
@@ -104,35 +112,27 @@ def check_batch_size(batch_size, num_examples, examples):
 
 
 def _dataset_info(version_dir):
-    """The parsed `dataset_info.json` of `version_dir`, or None if it cannot be read."""
-    try:
-        with open(os.path.join(version_dir, "dataset_info.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    """TFDS's `DatasetInfo` of the prepared `version_dir` (raises one of `_UNREADABLE_INFO`)."""
+    import tensorflow_datasets as tfds
+
+    return tfds.builder_from_directory(version_dir).info
 
 
-def _shards(version_dir, name, info):
-    """`{split: [(shard path, records)]}` as `info` (a parsed dataset_info.json) lists them."""
-    file_format = info.get("fileFormat", "tfrecord")
-    shards = {}
-    for split in info.get("splits", []):
-        lengths = [int(n) for n in split.get("shardLengths", [])] or [None]
-        shards[split["name"]] = [
-            (
-                os.path.join(
-                    version_dir,
-                    f"{name}-{split['name']}.{file_format}-{i:05d}-of-{len(lengths):05d}",
-                ),
-                records,
-            )
-            for i, records in enumerate(lengths)
-        ]
-    return shards
+# What TFDS raises for a missing dataset_info.json or features.json (an
+# OSError, or a ValueError), and for garbled JSON (protobuf's parse error).
+_UNREADABLE_INFO = (OSError, ValueError, json_format.Error)
+
+
+def _shards(info):
+    """`{split: [(shard path, records)]}` as TFDS's `info` lists them."""
+    return {
+        split.name: [(str(path), n) for path, n in zip(split.filepaths, split.shard_lengths)]
+        for split in info.splits.values()
+    }
 
 
 def _missing_files(directory, shards, splits):
-    """The files of `splits` (in `shards`, from dataset_info.json) that `directory` lacks."""
+    """The files of `splits` (in `shards`, from TFDS's info) that `directory` lacks."""
     present = set(os.listdir(directory))
     missing = []
     for split in splits:
@@ -166,14 +166,13 @@ def _corrupt_shard(info, shards, splits):
     framing of every shard of a split of at most `VERIFY_BYTES`, then reads
     it through TensorFlow, which verifies the checksums; walks the framing of
     a larger split only when its sizes disagree with dataset_info.json's
-    `numBytes`.
+    `num_bytes`.
     """
-    if info.get("fileFormat", "tfrecord") != "tfrecord":
+    if info.file_format.value != "tfrecord":
         return None  # Other formats have other framing; TFDS checks them when reading.
-    by_name = {split["name"]: split for split in info.get("splits", [])}
     for split in splits:
         size = sum(os.path.getsize(path) for path, _ in shards[split])
-        examples = int(by_name[split].get("numBytes", 0))
+        examples = int(info.splits[split].num_bytes)
         records = sum(n or 0 for _, n in shards[split])
         # TFDS records the examples' bytes; a Beam build, the files'.
         agrees = examples and size in (examples + _RECORD_FRAMING * records, examples)

@@ -119,8 +119,8 @@ def claim_model_dir(model_dir, trainer):
     """Locks `model_dir` and records `trainer` as its writer (the chief calls it once)."""
     import tensorflow as tf
 
-    from trainers.reporting import summaries  # Atomic JSON: a kill never leaves half a marker.
+    from trainers.run import json_files  # Atomic JSON: a kill never leaves half a marker.
 
     tf.io.gfile.makedirs(model_dir)
     lock_model_dir(model_dir)
-    summaries.write_json(os.path.join(model_dir, MARKER), {"trainer": trainer})
+    json_files.write_json(os.path.join(model_dir, MARKER), {"trainer": trainer})

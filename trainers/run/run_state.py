@@ -29,9 +29,10 @@ import os
 from absl import logging
 import tensorflow as tf
 
-from trainers.reporting import summaries
+from trainers.reporting import tensorboard_writers
 from trainers.run import errors
 from trainers.run import event_files
+from trainers.run import json_files
 
 
 class RunState:
@@ -99,16 +100,16 @@ class RunState:
             return
         if not self.finished:
             if self.start:  # The file first: a kill then leaves no "finished" without its end.
-                summaries.write_json(self._history_path, self.history)
+                json_files.write_json(self._history_path, self.history)
             event_files.remove_end(run_dir)
         event_files.keep_through(run_dir, self.start)
         self.writer = tf.summary.create_file_writer(run_dir)
         if self.start == 0:
-            summaries.write_config(self.writer, config_values)
+            tensorboard_writers.write_config(self.writer, config_values)
 
     def _committed_history(self, identity, allow_config_change):
         """The history up to the restored step, its identity checked against `identity`."""
-        history = summaries.read_json(self._history_path, None)
+        history = json_files.read_json(self._history_path, None)
         if history is None:
             raise errors.InputError(
                 f"{self._history_path} is missing, though a checkpoint of step {self.start} "
@@ -151,7 +152,7 @@ class RunState:
         self.history["steps"] = step
         self.history["wall_time_s"] = wall_time_s
         if self.is_chief:
-            summaries.write_json(self._history_path, self.history)
+            json_files.write_json(self._history_path, self.history)
 
     def save(self, step):
         """Checkpoints at `step` (every worker): step 3 of the commit order, after the flush."""
@@ -168,7 +169,7 @@ class RunState:
         """Commits the run's end, once its end-of-run summaries are flushed."""
         self.finished = self.history["finished"] = True
         if self.is_chief:
-            summaries.write_json(self._history_path, self.history)
+            json_files.write_json(self._history_path, self.history)
 
     def __enter__(self):
         return self

@@ -29,6 +29,7 @@ import keras_bn
 from keras_bn import population
 from trainers.reporting import console
 from trainers.run import errors
+from trainers.run import run_config
 from trainers.run import run_state
 
 
@@ -73,12 +74,29 @@ class LoopConfig:
     eval_bn_statistics: str = "moving"
     precise_bn_batches: int = 100
 
+    @classmethod
+    def of(cls, config, **run):
+        """The loop of `config` (a trainer's config): its fields of these names, then `run`'s.
+
+        `run` gives what the trainer's config does not hold, or holds for a
+        whole invocation only: the run's name, directory, seed, ...
+        """
+        names = {field.name for field in dataclasses.fields(cls)} - set(run)
+        return cls(
+            **{name: getattr(config, name) for name in names if hasattr(config, name)}, **run
+        )
+
 
 class Task:
     """What a trainer supplies to the skeleton; override the methods it calls.
 
+    Attributes:
+        config: the run's config (a trainer's frozen dataclass), logged whole
+            for a fresh run; its identity fields (`run_config.identity`) are
+            what a resumed run must share with its checkpoint.
+
     The skeleton calls, in order: `build` (under the engine's scope),
-    `prepare_evaluation`, `config_values` and `identity`, `write_start`
+    `prepare_evaluation`, `write_start`
     (fresh runs only), `train_dataset`, then per evaluation `evaluate` and
     `write_summaries`, and `write_end` (once per run, also when a relaunch
     finds the end of a finished run not yet logged).
@@ -90,18 +108,6 @@ class Task:
 
     def prepare_evaluation(self, model, runner):
         """Readies the evaluation of the built `model` on `runner`."""
-
-    def config_values(self):
-        """The run's configuration as a flat dict, logged for a fresh run."""
-        raise NotImplementedError
-
-    def identity(self):
-        """The settings a resumed run must share with its checkpoint, as a flat dict.
-
-        Those that shape the trajectory (seed, batch, learning rate, network),
-        not those a relaunch may change (steps, evaluation cadence, paths).
-        """
-        raise NotImplementedError
 
     def write_start(self, writer):
         """Logs what a fresh run records before its first step (in `writer`)."""
@@ -180,8 +186,8 @@ def train_and_evaluate(task, loop, runner):
     with run_state.RunState(
         loop.run_dir,
         checkpointer,
-        task.config_values(),
-        task.identity(),
+        run_config.flat_values(task.config),
+        run_config.identity(task.config),
         loop.train_steps,
         is_chief=runner.is_chief,
         allow_config_change=loop.allow_config_change,

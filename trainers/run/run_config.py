@@ -1,0 +1,41 @@
+"""A trainer's config in one form: a frozen dataclass made once in `main` from the flags.
+
+Every other form is derived from it field by field, so none restates its
+field list: the loop's settings (`skeleton.LoopConfig.of`), a run's
+identity (`identity`: the fields declared with `identity_field`, the
+settings that shape the trajectory, which a resumed run must share with its
+checkpoint and which HParams logs), and the values logged whole
+(`flat_values`: TensorBoard's "config" text, `summary.json`).
+"""
+
+import dataclasses
+
+_IDENTITY = "identity"
+
+
+def identity_field(**kwargs):
+    """A dataclass field that is part of a run's identity (see `identity`)."""
+    return dataclasses.field(metadata={_IDENTITY: True}, **kwargs)
+
+
+def identity_names(config_class):
+    """The names of `config_class`'s identity fields, in declaration order."""
+    return [f.name for f in dataclasses.fields(config_class) if f.metadata.get(_IDENTITY)]
+
+
+def identity(config):
+    """The identity fields' values of `config`, flat (see `flat_values`)."""
+    names = identity_names(type(config))
+    return {key: value for key, value in flat_values(config).items() if key.split(".")[0] in names}
+
+
+def flat_values(config):
+    """`config`'s fields by name; a field holding a dataclass gives "field.sub" keys instead."""
+    values = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            values.update({f"{field.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
+        else:
+            values[field.name] = value
+    return values
