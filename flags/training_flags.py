@@ -42,6 +42,15 @@ EVAL_BN_STATISTICS = flags.DEFINE_enum(
     "moving-statistics metrics too (prefixed moving_), and the checkpoints the moving "
     "statistics. Models without keras_bn layers evaluate as with moving.",
 )
+ON_DIVERGENCE = flags.DEFINE_enum(
+    "on_divergence",
+    "stop",
+    ["stop", "continue"],
+    "What a run does at an evaluation that finds it diverged (a non-finite train loss, "
+    "metric or weight, or a BN layer that skipped every update of the interval): stop "
+    "there, or continue training. Either way the divergence is recorded (history.json, "
+    "summary.json, one line on stderr) and a non-finite state is never checkpointed.",
+)
 PRECISE_BN_BATCHES = flags.DEFINE_integer(
     "precise_bn_batches",
     100,

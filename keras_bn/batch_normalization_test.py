@@ -1,7 +1,11 @@
 """Tests of keras_bn.BatchNormalization against NumPy references."""
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+import zipfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -432,6 +436,20 @@ class SerializationTest(parameterized.TestCase):
         for a, b in zip(model.weights, loaded.weights):
             self.assertEqual(a.name, b.name)
             np.testing.assert_array_equal(a, b)
+
+    def test_a_saved_file_names_the_package_and_needs_it_imported_to_load(self):
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        self._trained_model().save(path)
+        with zipfile.ZipFile(path) as archive:
+            saved = json.loads(archive.read("config.json"))["config"]["layers"][-1]
+        self.assertEqual(saved["module"], "keras_bn.batch_normalization")
+        self.assertEqual(saved["registered_name"], "keras_bn>BatchNormalization")
+        # A fresh process that never imports keras_bn: Keras' error names the layer's package.
+        load = f"import keras; keras.saving.load_model({path!r})"
+        done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("TypeError", done.stderr)
+        self.assertIn("keras_bn>BatchNormalization", done.stderr)
 
     def test_saved_model_export(self):
         model = self._trained_model()

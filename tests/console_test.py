@@ -1,8 +1,10 @@
 """What a trainer shows a person (`trainers/reporting/console.py`), end to end too."""
 
+import contextlib
 import io
 import logging as std_logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,6 +75,26 @@ class ProgressTest(absltest.TestCase):
         progress.update(50, {"loss": 0.25})
         progress.end_line()
         self.assertTrue(terminal.getvalue().endswith("\n"))
+
+    def test_a_divergence_line_or_a_warning_starts_on_a_line_of_its_own(self):
+        terminal, stderr = _Terminal(), io.StringIO()
+        progress = console.Progress("bn", 0, 100, stream=terminal)
+        progress.update(50, {"loss": 0.25})
+        with contextlib.redirect_stderr(stderr):
+            console.diverged("bn", 60, "train_loss is nan", 50, "stop")
+        self.assertTrue(terminal.getvalue().endswith("\n"))
+        self.assertEqual(
+            stderr.getvalue(),
+            "bn: diverged at step 60: train_loss is nan; the last finite checkpoint is step 50; "
+            "the run stops here\n",
+        )
+        progress.update(60, {"loss": 0.25})
+        record = std_logging.LogRecord("w", std_logging.WARNING, __file__, 1, "careful", (), None)
+        console.quiet_libraries()
+        self.assertTrue(logging.get_absl_handler().filter(record))
+        self.assertEqual(terminal.getvalue().count("\n"), 2)
+        progress.end_line()  # Already ended: nothing more.
+        self.assertEqual(terminal.getvalue().count("\n"), 2)
 
 
 class ConsoleTextTest(parameterized.TestCase):
@@ -177,24 +199,36 @@ class TrainerConsoleTest(parameterized.TestCase):
         )
 
     @parameterized.parameters("tensorflow", "jax")
-    def test_ctrl_c_ends_in_one_line(self, engine):
+    def test_ctrl_c_stops_at_the_next_step_with_a_checkpoint_in_one_line(self, engine):
         model_dir = tempfile.mkdtemp()
-        process = _trainer(model_dir, "--train_steps=1000000", engine=engine)
-        # The first evaluation's history: training has started, and goes on.
-        history = os.path.join(model_dir, "baseline", "history.json")
-        deadline = time.time() + 300
-        while not os.path.exists(history) and time.time() < deadline:
-            time.sleep(0.2)
-        time.sleep(1)
+        process = _started(model_dir, engine)
         process.send_signal(signal.SIGINT)
         out, _ = process.communicate(timeout=120)
         self.assertEqual(process.returncode, 130, out[-3000:])
         self.assertNotIn("Traceback", out)
+        last = out.strip().splitlines()[-1]
         self.assertRegex(
-            out.strip().splitlines()[-1],
-            r"^mnist_sigmoid: baseline seed 0: interrupted at step \d+; the last checkpoint "
-            r"is (step \d+|none yet \(it restarts at 0\)); relaunch the same command to resume$",
+            last,
+            r"^mnist_sigmoid: baseline seed 0: stopped at step \d+ on SIGINT; checkpoint saved; "
+            r"relaunch the same command to resume$",
         )
+        # MNIST compiles a whole evaluation interval per call: it stops at its end.
+        step = int(re.search(r"step (\d+)", last).group(1))
+        checkpoints = os.listdir(os.path.join(model_dir, "baseline", "checkpoints"))
+        self.assertTrue(
+            any(name.split(".")[0] in (f"ckpt-{step}", str(step)) for name in checkpoints)
+        )
+
+
+def _started(model_dir, engine):
+    """A trainer run that has logged its first evaluation: training has started, and goes on."""
+    process = _trainer(model_dir, "--train_steps=1000000", engine=engine)
+    history = os.path.join(model_dir, "baseline", "history.json")
+    deadline = time.time() + 300
+    while not os.path.exists(history) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    return process
 
 
 if __name__ == "__main__":

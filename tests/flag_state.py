@@ -5,7 +5,12 @@ import contextlib
 from absl import flags
 from absl.testing import flagsaver
 
+from flags import inception_flags as inception_flags
+from flags import mnist_flags as mnist_flags
 from flags import training_flags as training_flags
+
+# Each trainer's own flags module, which holds its defaults of the shared training flags.
+_OWN_FLAGS = {"trainers.mnist_sigmoid": mnist_flags, "trainers.inception_bn": inception_flags}
 
 
 def ensure_parsed():
@@ -23,6 +28,6 @@ def trainer_flags(trainer, **values):
     anyway); all flags are restored on exit.
     """
     with flagsaver.flagsaver():
-        training_flags.set_defaults(**trainer.TRAINING_DEFAULTS)
+        training_flags.set_defaults(**_OWN_FLAGS[trainer.__name__].TRAINING_DEFAULTS)
         with flagsaver.flagsaver(**values):
             yield

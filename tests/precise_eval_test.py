@@ -26,6 +26,7 @@ from tests import flag_state
 from tests import inception_bn_test
 from tests import mnist_sigmoid_test
 from tests import tensorboard_events
+from trainers.run import evaluation
 from trainers.run import skeleton
 
 FLAGS = flags.FLAGS
@@ -79,7 +80,7 @@ def _bn_model():
 
 
 class EvaluateTest(absltest.TestCase):
-    """`skeleton.evaluate` on a small model: both records, and the state put back."""
+    """`evaluation.evaluate` on a small model: both records, and the state put back."""
 
     def test_precise_record_and_untouched_state(self):
         model = _bn_model()
@@ -97,7 +98,7 @@ class EvaluateTest(absltest.TestCase):
             eval_bn_statistics="precise",
             precise_bn_batches=2,
         )
-        record = skeleton.evaluate(task, loop, model, 1, {})
+        record = evaluation.evaluate(task, loop, model, 1, {})
         self.assertEqual(set(record), {"step", "mean", "moving_mean", "precise_bn_seconds"})
         self.assertGreater(record["precise_bn_seconds"], 0.0)
         # Initial moving statistics (0, 1) against those of the shifted data.
@@ -106,7 +107,7 @@ class EvaluateTest(absltest.TestCase):
             np.testing.assert_array_equal(
                 keras.ops.convert_to_numpy(variable), value, err_msg=variable.path
             )
-        moving = skeleton.evaluate(
+        moving = evaluation.evaluate(
             task, dataclasses.replace(loop, eval_bn_statistics="moving"), model, 1, {}
         )
         self.assertEqual(moving, {"step": 1, "mean": record["moving_mean"]})
@@ -114,7 +115,7 @@ class EvaluateTest(absltest.TestCase):
     def test_model_without_batch_norm_is_a_no_op(self):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
         loop = skeleton.LoopConfig("t", "unused", 0, 1, 1, 8, None, 1, eval_bn_statistics="precise")
-        record = skeleton.evaluate(_ProbeTask(model), loop, model, 1, {})
+        record = evaluation.evaluate(_ProbeTask(model), loop, model, 1, {})
         self.assertEqual(record["mean"], record["moving_mean"])
         self.assertEqual(record["precise_bn_seconds"], 0.0)
 

@@ -122,7 +122,7 @@ class Config(strategy_lib.DistributionConfig):
     num_seeds: int
     lr_sweep: tuple | None
     train_steps: int
-    batch_size: int = run_config.identity_field()
+    batch_size: int = run_config.identity_field(changeable=True)
     eval_every: int
     eval_steps: int | None
     image_size: int = run_config.identity_field()
@@ -137,6 +137,7 @@ class Config(strategy_lib.DistributionConfig):
     deterministic: bool
     eval_bn_statistics: str
     precise_bn_batches: int
+    on_divergence: str
 
     def loop(self):
         """The `skeleton.LoopConfig` of the run."""
@@ -181,6 +182,7 @@ def config_from_flags():
         run_flags.DETERMINISTIC,
         training_flags.EVAL_BN_STATISTICS,
         training_flags.PRECISE_BN_BATCHES,
+        training_flags.ON_DIVERGENCE,
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
@@ -253,19 +255,25 @@ def main(argv):
             history = train(config)
             if runner.is_chief:
                 show_result(config, history)
+            errors.check_converged({config.variant: history})
 
 
 def show_result(config, history):
     """The end of a one-variant run on the console: top-1, steps to the target, the paths."""
     evals = history["evals"]
     target = f"first step at top-1 {config.target_accuracy:.1%}"
-    row = (
+    headers = ["variant", "final top-1", "best top-1", target]
+    row = [
         config.variant,
         evals[-1]["top1"] if evals else None,
         max((e["top1"] for e in evals), default=None),
         inception_task.steps_to_target(evals, config.target_accuracy),
-    )
-    console.show([""] + console.table(["variant", "final top-1", "best top-1", target], [row]))
+    ]
+    if history.get("diverged"):
+        diverged = history["diverged"]
+        headers.append("diverged")
+        row.append(f"at step {diverged['step']}: {diverged['reason']}")
+    console.show([""] + console.table(headers, [row]))
     console.show([""] + console.result_paths(config.model_dir, {"summary": "summary.json"}))
 
 

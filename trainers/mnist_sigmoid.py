@@ -92,8 +92,8 @@ class Config(strategy_lib.DistributionConfig):
     data_dir: str | None
     seed: int = run_config.identity_field()
     train_steps: int
-    batch_size: int = run_config.identity_field()
-    learning_rate: float = run_config.identity_field()
+    batch_size: int = run_config.identity_field(changeable=True)
+    learning_rate: float = run_config.identity_field(changeable=True)
     eval_every: int
     norm: str = run_config.identity_field()
     init_std: float = run_config.identity_field()
@@ -108,6 +108,7 @@ class Config(strategy_lib.DistributionConfig):
     deterministic: bool
     eval_bn_statistics: str
     precise_bn_batches: int
+    on_divergence: str
 
     @property
     def networks(self):
@@ -160,6 +161,7 @@ def config_from_flags():
         run_flags.DETERMINISTIC,
         training_flags.EVAL_BN_STATISTICS,
         training_flags.PRECISE_BN_BATCHES,
+        training_flags.ON_DIVERGENCE,
         *batch_norm_flags.HOLDERS,
         *distribution_flags.HOLDERS,
     ]
@@ -233,6 +235,13 @@ def main(argv):
                 runs[RUN_NAMES[norm]].append(history)
         if runner.is_chief:  # Only the chief writes the run's results.
             mnist_task.write_results(config, runs, root)
+        errors.check_converged(
+            {
+                f"{network} seed {seed}": history
+                for network, histories in runs.items()
+                for seed, history in zip(config.seeds, histories)
+            }
+        )
 
 
 if __name__ == "__main__":

@@ -233,6 +233,20 @@ class JaxRunner:
 
         return run_steps
 
+    def any_worker(self, flag):
+        """Whether `flag` holds in any process (every process calls this at the same steps)."""
+        import jax
+
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+
+        return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+
+    def host_values(self, variables):
+        """NumPy copies of `variables`' values (of one spanning processes: this process's copy)."""
+        return [_host(v.value) for v in variables]
+
     def compile(self, fn, model):
         """`fn` (reading `model`'s variables) as one jitted call with NumPy results.
 

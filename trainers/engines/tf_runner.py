@@ -8,6 +8,7 @@ task's own evaluation functions. `trainers.engines.jax_runner.JaxRunner` offers 
 same methods on JAX.
 """
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -67,6 +68,20 @@ class DistributeRunner:
             self.strategy, model, optimizer, loss_fn, global_batch, self.jit_compile
         )
         return lambda n: multi_step(iterator, tf.constant(n))
+
+    def any_worker(self, flag):
+        """Whether `flag` holds on any worker (every worker calls this at the same steps)."""
+        resolver = getattr(self.strategy, "cluster_resolver", None)
+        tasks = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        if sum(len(t) for t in tasks.values()) <= 1:
+            return flag
+        value = tf.constant(int(flag))
+        per_replica = self.strategy.run(lambda: tf.identity(value))
+        return bool(self.strategy.reduce("MAX", per_replica, axis=None).numpy())
+
+    def host_values(self, variables):
+        """NumPy copies of `variables` values (as a distributed variable reads outside replicas)."""
+        return [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
 
     def compile(self, fn, model):
         """`fn` (reading `model`'s variables) as a `tf.function`; results are tensors."""

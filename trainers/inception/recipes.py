@@ -20,6 +20,8 @@ and decay interval, momentum) are this project's choices, marked below.
 
 import dataclasses
 
+from trainers.run import run_config
+
 PAPER_DATASET = "imagenet2012"  # TFDS's name of the paper's ImageNet (ILSVRC 2012).
 BASE_LEARNING_RATE = 0.0015  # Paper §4.2.2.
 BASE_WEIGHT_DECAY = 4e-5  # Not stated in the paper (our choice).
@@ -31,12 +33,14 @@ REFERENCE_TRAIN_STEPS = 3_000_000  # The run length BASE_DECAY_STEPS is chosen f
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
+    """A variant's recipe; a resumed run may change its learning rate and decay interval."""
+
     batch_norm: bool
     activation: str
-    learning_rate: float
+    learning_rate: float = run_config.changeable_field()
     dropout: float
     weight_decay: float
-    decay_steps: int
+    decay_steps: int = run_config.changeable_field()
     lrn: bool
     distortion: float  # Strength of photometric distortion, 1.0 = full.
     thorough_shuffle: bool

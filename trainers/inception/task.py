@@ -14,6 +14,7 @@ from trainers.inception import model as inception_model
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import table2 as inception_table2
 from trainers.reporting import tensorboard_writers
+from trainers.run import data_checks
 from trainers.run import json_files
 from trainers.run import run_config
 from trainers.run import skeleton
@@ -135,6 +136,11 @@ class InceptionRun(skeleton.Task):
                 writer, "Precise BN statistics", PRECISE_CHARTS
             )
 
+    def data_identity(self):
+        if self.config.use_fake_data:
+            return None  # Fake data: `use_fake_data` and the shapes identify it.
+        return data_checks.fingerprint(self.config.data_dir, self.spec.name)
+
     def train_dataset(self, start_step):
         # The batches (order and distortions) are a function of (seed, step),
         # so a resumed run trains on those an uninterrupted run would.
@@ -184,6 +190,7 @@ def write_summary(config, history):
             "final": evals[-1] if evals else None,
             "best_top1": max((e["top1"] for e in evals), default=None),
             "steps_to_target": steps_to_target(evals, config.target_accuracy),
+            "diverged": history.get("diverged"),
             "paper": inception_recipes.PAPER_RESULTS[config.variant],
             "config": run_config.flat_values(config),
         },

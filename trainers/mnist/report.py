@@ -70,7 +70,7 @@ def write_run_hparams(writer, identity, trial_id):
 
 
 def run_metrics(history):
-    """Final, best (and its step) test accuracy and the first step at ≥ 97%."""
+    """Final, best (and its step) test accuracy, the first step at ≥ 97%, any divergence."""
     evals = history["evals"]
     best = max(evals, key=lambda e: e["test_accuracy"])
     reached = next((e["step"] for e in evals if e["test_accuracy"] >= TARGET_ACCURACY), None)
@@ -81,6 +81,7 @@ def run_metrics(history):
         "first_step_97": reached,
         "steps": history["steps"],
         "wall_time_s": round(history["wall_time_s"], 1),
+        "diverged": history.get("diverged"),
     }
 
 
@@ -112,6 +113,11 @@ def summarize(runs, seeds):
         entry["seeds_reaching_97"] = sum(m["first_step_97"] is not None for m in per_seed.values())
         entry["steps"] = min(m["steps"] for m in per_seed.values())
         entry["wall_time_s"] = round(sum(m["wall_time_s"] for m in per_seed.values()), 1)
+        # The first seed's divergence (each seed's is in per_seed), or None.
+        entry["diverged"] = next(
+            ({"seed": seed, **m["diverged"]} for seed, m in per_seed.items() if m["diverged"]),
+            None,
+        )
         if len(per_seed) == 1:
             entry["best_step"] = next(iter(per_seed.values()))["best_step"]
         out[network] = entry

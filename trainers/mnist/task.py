@@ -17,6 +17,7 @@ from trainers.mnist import model as mnist_model
 from trainers.mnist import report as mnist_report
 from trainers.reporting import console
 from trainers.reporting import tensorboard_writers
+from trainers.run import data_checks
 from trainers.run import json_files
 from trainers.run import run_config
 from trainers.run import skeleton
@@ -76,6 +77,9 @@ class MnistRun(skeleton.Task):
             tensorboard_writers.write_custom_scalars(
                 writer, "Precise BN statistics", PRECISE_CHARTS
             )
+
+    def data_identity(self):
+        return data_checks.fingerprint(self.config.data_dir, "mnist")
 
     def train_dataset(self, start_step):
         images, labels = self.train
@@ -150,19 +154,26 @@ def write_results(config, runs, root):
     mnist_report.write_figure(root, png, step=config.train_steps)
     summary = {
         "runs": mnist_report.summarize(runs, config.seeds),
-        "config": dataclasses.asdict(config),
+        "config": run_config.flat_values(config),
     }
     json_files.write_json(os.path.join(config.model_dir, "summary.json"), summary)
     num_seeds = len(config.seeds)
+    any_diverged = any(run["diverged"] for run in summary["runs"].values())
     rows = []
     for name, run in summary["runs"].items():
         first = _step(run["first_step_97"])
         if num_seeds > 1 and first is not None:  # A mean over the seeds that reached 97%.
             first = f"{first} ({run['seeds_reaching_97']}/{num_seeds} seeds)"
-        rows.append((name, run["final_test_accuracy"], run["best_test_accuracy"], first))
+        row = [name, run["final_test_accuracy"], run["best_test_accuracy"], first]
+        if any_diverged:
+            d = run["diverged"]
+            row.append(f"at step {d['step']}: {d['reason']}" if d else "no")
+        rows.append(row)
     headers = ["network", "final accuracy", "best accuracy", "first step at 97%"]
     if num_seeds > 1:
         headers = [headers[0]] + [f"{h}, mean of {num_seeds} seeds" for h in headers[1:]]
+    if any_diverged:
+        headers.append("diverged" if num_seeds == 1 else "diverged (first seed)")
     console.show(
         [""]
         + console.table(headers, rows)

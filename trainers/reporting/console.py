@@ -44,11 +44,15 @@ class _LibraryInfo(std_logging.Filter):
 
     def filter(self, record):
         quiet = os.path.realpath(record.pathname).startswith(self.directories)
-        return record.levelno >= std_logging.WARNING or not quiet
+        shown = record.levelno >= std_logging.WARNING or not quiet
+        if shown:
+            for progress in list(_OPEN_LIVE_LINE):
+                progress.end_line()  # A warning starts on a line of its own.
+        return shown
 
 
 def quiet_libraries():
-    """Keeps the libraries' INFO records off the console; their warnings stay.
+    """Keeps the libraries' INFO records off the console; their warnings stay, each on its line.
 
     TensorFlow logs every checkpoint write ("Sharding callback duration"),
     orbax each step of one, TFDS each dataset it opens. TensorFlow's C++
@@ -104,18 +108,24 @@ class Progress:
             filled = 20 * step // max(self.total, 1)
             bar = "#" * filled + "." * (20 - filled)
             self.stream.write(f"\r\033[K[{bar}] {text}")
+            _OPEN_LIVE_LINE[:] = [self]
             if step >= self.total:
-                self.stream.write("\n")
+                self.end_line()
             self.stream.flush()
         elif step >= self.next_line or step >= self.total:
             logging.info("%s", text)
             self.next_line = (step // self.steps_per_line + 1) * self.steps_per_line
 
     def end_line(self):
-        """Ends a live line cut short (an interruption), so what follows starts afresh."""
-        if self.live:
+        """Ends the live line (at the end, or cut short), so what follows starts afresh."""
+        if self.live and _OPEN_LIVE_LINE == [self]:
             self.stream.write("\n")
             self.stream.flush()
+            _OPEN_LIVE_LINE.clear()
+
+
+# The Progress whose live line is on the terminal without its newline, if any.
+_OPEN_LIVE_LINE = []
 
 
 class Interrupted(KeyboardInterrupt):
@@ -135,6 +145,23 @@ class Interrupted(KeyboardInterrupt):
             f"{self.name}: interrupted at step {self.step}; the last checkpoint is {last}; "
             "relaunch the same command to resume"
         )
+
+
+def diverged(name, step, problem, last_checkpoint, on_divergence):
+    """The one line saying run `name` diverged at `step` (stderr, also in a log)."""
+    for progress in list(_OPEN_LIVE_LINE):
+        progress.end_line()  # Not glued to the end of a live line.
+    last = f"step {last_checkpoint}" if last_checkpoint else "none"
+    then = (
+        "the run stops here"
+        if on_divergence == "stop"
+        else "training goes on (--on_divergence=continue), checkpointing only finite states"
+    )
+    print(
+        f"{name}: diverged at step {step}: {problem}; the last finite checkpoint is {last}; {then}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def table(headers, rows):

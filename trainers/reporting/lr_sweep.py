@@ -14,9 +14,11 @@ by a relaunch) and after each run rewrites, at the model_dir root:
 so a partial sweep leaves what finished. At the end the figure is also
 logged as the root's TensorBoard image `lr_sweep`.
 
-A run has diverged when the mean train loss of its last evaluation interval
-is not finite, or is at least ln(number of classes): the cross-entropy of a
-uniform prediction, which any network that learned something beats.
+A run has diverged when the trainer found it so (`trainers.run.divergence`:
+with `--on_divergence=stop`, the default, it ends there), or when the mean
+train loss of its last evaluation interval is not finite or at least
+ln(number of classes): the cross-entropy of a uniform prediction, which any
+network that learned something beats.
 """
 
 import dataclasses
@@ -75,7 +77,7 @@ def point(history, learning_rate, num_classes, accuracy_key):
         "final_accuracy": final[accuracy_key],
         "max_accuracy": max(e[accuracy_key] for e in evals),
         "final_train_loss": final["train_loss"],
-        "diverged": diverged(final["train_loss"], num_classes),
+        "diverged": "diverged" in history or diverged(final["train_loss"], num_classes),
         "steps": history["steps"],
         "wall_time_s": round(history["wall_time_s"], 1),
     }

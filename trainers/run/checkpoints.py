@@ -8,9 +8,13 @@ through `restore_newest_readable`, the one loop that passes over damaged
 checkpoints.
 """
 
+import contextlib
+import logging as std_logging
 import os
 import shutil
+import sys
 import tempfile
+import threading
 
 from absl import logging
 import tensorflow as tf
@@ -199,6 +203,7 @@ class OrbaxCheckpointer:
         root = run_dir if local is None else os.path.abspath(local)
         self._dir = os.path.join(root, "checkpoints")
         self._variables = {"model": model.variables, "optimizer": optimizer.variables}
+        _quiet_disk_full_in_threads()
         self._manager = ocp.CheckpointManager(
             self._dir,
             # Registered up front: a fresh manager reads no step's metadata without it.
@@ -292,9 +297,81 @@ class OrbaxCheckpointer:
         if step in self._manager.all_steps():  # An unreadable one passed over by `restore`.
             self._manager.delete(step)
         # force: orbax's own save policy would skip a step silently.
-        self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
-        self._manager.wait_until_finished()
+        with _stderr_held() as held:
+            try:
+                self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
+                self._manager.wait_until_finished()
+            except Exception as error:
+                # Said in one line by `errors.one_line_errors`; orbax's threads
+                # wrote dozens of tracebacks of it to stderr meanwhile.
+                held.drop = errors.disk_full(error) is not None
+                raise
 
     def close(self):
         """Waits for orbax's background work (deletions) and releases it."""
         self._manager.close()
+
+
+class _Held:
+    drop = False
+
+
+@contextlib.contextmanager
+def _stderr_held():
+    """Holds what is written to file descriptor 2 (by Python or C threads) until the end.
+
+    Then writes it out, unless the caller set `drop` (a failure said in one line).
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    held = _Held()
+    with tempfile.TemporaryFile() as buffer:
+        os.dup2(buffer.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not held.drop:
+                buffer.seek(0)
+                os.write(2, buffer.read())
+
+
+class _NotTheDiskFull(std_logging.Filter):
+    """Drops the records and thread tracebacks orbax's threads leave after a full disk."""
+
+    MARKS = ("No space left on device", "Event loop is closed", "RESOURCE_EXHAUSTED")
+
+    def filter(self, record):
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not any(mark in text for mark in self.MARKS)
+
+
+def _quiet_disk_full_in_threads():
+    """Keeps what orbax's writer threads print on a full disk off the console (once per process).
+
+    Each of its threads logs or raises the same `No space left on device`
+    (and, once its event loop is closed, `Event loop is closed`): dozens of
+    tracebacks burying the one line that says it, which the save's own error
+    becomes (`errors.one_line_errors`). Records without those marks pass.
+    """
+    if isinstance(threading.excepthook, _QuietExcepthook):
+        return
+    quiet = _NotTheDiskFull()
+    for handler in (logging.get_absl_handler(), *std_logging.getLogger().handlers):
+        handler.addFilter(quiet)
+    std_logging.getLogger("asyncio").addFilter(quiet)
+    threading.excepthook = _QuietExcepthook(threading.excepthook)
+
+
+class _QuietExcepthook:
+    """A `threading.excepthook` or `sys.excepthook` passing on all but `_NotTheDiskFull.MARKS`."""
+
+    def __init__(self, hook):
+        self._hook = hook
+
+    def __call__(self, *args):
+        value = args[0].exc_value if len(args) == 1 else args[1]  # threading's or sys's.
+        if not any(mark in str(value) for mark in _NotTheDiskFull.MARKS):
+            self._hook(*args)

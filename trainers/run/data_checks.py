@@ -98,6 +98,34 @@ def split_sizes(data_dir, name):
     return {split.name: split.num_examples for split in info.splits.values()} if info else {}
 
 
+def fingerprint(data_dir, name):
+    """What identifies the local copy of TFDS data set `name` (`data_dir=None`: TFDS's default).
+
+    Its name and version as TFDS's info records them, and per split the
+    examples and the shard files' total bytes: cheap (one `stat` per shard),
+    and other data under the same name, or a cut copy, differs in them. None
+    when there is no readable local copy (a remote `data_dir`, mock data).
+    """
+    version_dir = None if is_remote(data_dir or "") else prepared_version_dir(data_dir, name)
+    try:
+        info = _dataset_info(version_dir) if version_dir else None
+    except _UNREADABLE_INFO:
+        info = None
+    if info is None:
+        return None
+    return {
+        "name": info.name,
+        "version": str(info.version),
+        "splits": {
+            split.name: {
+                "examples": split.num_examples,
+                "bytes": sum(os.path.getsize(str(path)) for path in split.filepaths),
+            }
+            for split in info.splits.values()
+        },
+    }
+
+
 def check_batch_size(batch_size, num_examples, examples):
     """Raises `InputError` if one batch needs more than the `num_examples` training examples.
 

@@ -11,11 +11,43 @@ checkpoint and which HParams logs), and the values logged whole
 import dataclasses
 
 _IDENTITY = "identity"
+_CHANGEABLE = "changeable"
 
 
-def identity_field(**kwargs):
-    """A dataclass field that is part of a run's identity (see `identity`)."""
-    return dataclasses.field(metadata={_IDENTITY: True}, **kwargs)
+def identity_field(*, changeable=False, **kwargs):
+    """A dataclass field that is part of a run's identity (see `identity`).
+
+    Args:
+        changeable: whether a resumed run may take another value
+            (`--allow_config_change`): only a setting that takes effect
+            after a restore (a learning rate, the batch), not one fixed by
+            the initial weights or the model's variables.
+        **kwargs: `dataclasses.field`'s.
+    """
+    return dataclasses.field(metadata={_IDENTITY: True, _CHANGEABLE: changeable}, **kwargs)
+
+
+def changeable_field(**kwargs):
+    """A field of a dataclass held by an identity field that a resumed run may change."""
+    return dataclasses.field(metadata={_CHANGEABLE: True}, **kwargs)
+
+
+def changeable_keys(config):
+    """The keys of `identity(config)` that a resumed run may change (see `identity_field`)."""
+    keys = set()
+    for field in dataclasses.fields(config):
+        if not field.metadata.get(_IDENTITY):
+            continue
+        value = getattr(config, field.name)
+        if field.metadata.get(_CHANGEABLE):
+            keys.add(field.name)
+        if dataclasses.is_dataclass(value):
+            keys |= {
+                f"{field.name}.{sub.name}"
+                for sub in dataclasses.fields(value)
+                if sub.metadata.get(_CHANGEABLE)
+            }
+    return keys
 
 
 def identity_names(config_class):

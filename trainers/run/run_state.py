@@ -55,7 +55,9 @@ class RunState:
         train_steps: the step the run trains to.
         is_chief: whether this process writes.
         allow_config_change: resume even if `identity` differs from the
-            recorded one, recording the change.
+            recorded one in keys of `changeable`, recording the change.
+        changeable: the keys of `identity` a resumed run may change (the
+            caller makes each change take effect after the restore).
 
     Attributes:
         history: dict with "evals" (one record per evaluation), "steps",
@@ -81,6 +83,7 @@ class RunState:
         train_steps,
         is_chief=True,
         allow_config_change=False,
+        changeable=(),
     ):
         tf.io.gfile.makedirs(run_dir)
         self.is_chief = is_chief
@@ -91,10 +94,16 @@ class RunState:
         self.start = checkpointer.restore()
         self.saved_step = self.start  # The newest checkpoint's step (0: none).
         self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0, "identity": identity}
-        if self.start:
-            self.history = self._committed_history(identity, allow_config_change)
-        self.finished = bool(self.history.get("finished")) and self.start == train_steps
-        self.history["finished"] = self.finished
+        recorded = json_files.read_json(self._history_path, None)
+        if self.start or _ended_diverged(recorded, identity):
+            allowed = set(changeable) if allow_config_change else set()
+            self.history = self._committed_history(recorded, identity, allowed)
+        # A diverged run that ended is over, though its checkpoint is older.
+        ended = self.history.get("finished") and (
+            self.start == train_steps or "diverged" in self.history
+        )
+        self.finished = self.history["finished"] = bool(ended)
+        self.fresh = self.history["steps"] == 0  # Nothing of it is committed.
         if not is_chief:
             self.writer = tf.summary.create_noop_writer()
             return
@@ -102,41 +111,60 @@ class RunState:
             if self.start:  # The file first: a kill then leaves no "finished" without its end.
                 json_files.write_json(self._history_path, self.history)
             event_files.remove_end(run_dir)
-        event_files.keep_through(run_dir, self.start)
+        event_files.keep_through(run_dir, self.history["steps"])
         self.writer = tf.summary.create_file_writer(run_dir)
-        if self.start == 0:
+        if self.fresh:
             tensorboard_writers.write_config(self.writer, config_values)
 
-    def _committed_history(self, identity, allow_config_change):
-        """The history up to the restored step, its identity checked against `identity`."""
-        history = json_files.read_json(self._history_path, None)
+    def _committed_history(self, history, identity, allowed):
+        """The history up to the restored step, its identity checked against `identity`.
+
+        A run that ended diverged keeps its whole history (the evaluations
+        after its last checkpoint included), unless its settings change.
+        """
         if history is None:
             raise errors.InputError(
                 f"{self._history_path} is missing, though a checkpoint of step {self.start} "
                 "exists: the run's evaluations are lost. Pass another --model_dir to start over."
             )
-        history["evals"] = [e for e in history["evals"] if e["step"] <= self.start]
-        history["steps"] = self.start
-        recorded = history.get("identity", identity)
+        if not _ended_diverged(history, identity):
+            history["evals"] = [e for e in history["evals"] if e["step"] <= self.start]
+            history["steps"] = self.start
+            if history.get("diverged", {}).get("step", 0) > self.start:
+                del history["diverged"]  # Found after the checkpoint: found again, or not.
+            if history.get("partial_interval", {}).get("step") != self.start:
+                history.pop("partial_interval", None)  # Not of the restored step.
+        recorded = _flat(history.get("identity", identity))
+        current = _flat(identity)
         changed = sorted(
-            k for k in set(recorded) | set(identity) if recorded.get(k) != identity.get(k)
+            k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k)
         )
         if changed:
             differences = ", ".join(
-                f"{k}={recorded.get(k)!r} → {identity.get(k)!r}" for k in changed
+                f"{k}={recorded.get(k)!r} → {current.get(k)!r}" for k in changed
             )
-            if not allow_config_change:
+            fixed = [
+                k for k in changed if not any(k == a or k.startswith(f"{a}.") for a in allowed)
+            ]
+            if fixed and not allowed:
                 raise errors.InputError(
                     f"{self._run_dir} holds a run at step {self.start} with other settings "
                     f"({differences}): relaunch with the run's settings, pass another "
                     "--model_dir, or pass --allow_config_change to continue it with these "
                     "(recorded in history.json)."
                 )
+            if fixed:
+                raise errors.InputError(
+                    f"{self._run_dir} holds a run at step {self.start} whose "
+                    f"{', '.join(fixed)} cannot change ({differences}): they fix its initial "
+                    "weights or its variables. Relaunch with the run's values, or pass another "
+                    "--model_dir to start a run with these."
+                )
             logging.warning("Continuing %s with changed settings: %s", self._run_dir, differences)
             history.setdefault("config_changes", []).append(
                 {
                     "step": self.start,
-                    "changed": {k: [recorded.get(k), identity.get(k)] for k in changed},
+                    "changed": {k: [recorded.get(k), current.get(k)] for k in changed},
                 }
             )
         history["identity"] = identity
@@ -153,6 +181,24 @@ class RunState:
         self.history["wall_time_s"] = wall_time_s
         if self.is_chief:
             json_files.write_json(self._history_path, self.history)
+
+    def record_partial(self, step, sums, wall_time_s):
+        """Commits a stop mid-interval at `step`: the interval's `sums` so far (chief), then `save`.
+
+        A relaunch restored to `step` goes on from them, so the interval's
+        record is the uninterrupted run's.
+        """
+        self.history["partial_interval"] = {"step": step, **sums}
+        self.history["steps"] = step
+        self.history["wall_time_s"] = wall_time_s
+        if self.is_chief:
+            json_files.write_json(self._history_path, self.history)
+
+    def diverge(self, step, reason):
+        """Records the run's first divergence, at `step`, before its `record` (see `divergence`)."""
+        self.history.setdefault(
+            "diverged", {"step": step, "reason": reason, "last_checkpoint": self.saved_step}
+        )
 
     def save(self, step):
         """Checkpoints at `step` (every worker): step 3 of the commit order, after the flush."""
@@ -181,3 +227,24 @@ class RunState:
         """Flushes the writer and closes the checkpointer."""
         self.writer.flush()
         self._checkpointer.close()
+
+
+def _ended_diverged(history, identity):
+    """Whether `history` (or None) is of a run that ended diverged, with these settings."""
+    return bool(
+        history
+        and history.get("finished")
+        and "diverged" in history
+        and history.get("identity") == identity
+    )
+
+
+def _flat(values, prefix=""):
+    """`values` (a dict of JSON values), nested dicts' keys joined by ".": "data.splits.train"."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -19,16 +19,18 @@ so checkpoints and the training trajectory hold the moving statistics only.
 """
 
 import dataclasses
+import signal
 import time
 
 from absl import logging
 import keras
 
 from flags import distribution_flags as distribution_flags
-import keras_bn
-from keras_bn import population
 from trainers.reporting import console
+from trainers.run import divergence
 from trainers.run import errors
+from trainers.run import evaluation
+from trainers.run import preemption
 from trainers.run import run_config
 from trainers.run import run_state
 
@@ -55,9 +57,13 @@ class LoopConfig:
             any kill give bit-identical histories.
         eval_bn_statistics: "moving" (the layers' moving statistics, the
             paper's) or "precise" (re-estimated before each evaluation; see
-            `evaluate`).
+            `evaluation.evaluate`).
         precise_bn_batches: with "precise", the training batches the
             statistics are estimated on.
+        on_divergence: at an evaluation that finds the run diverged
+            (`trainers.run.divergence`): "stop" the run there, or
+            "continue" training; either way a non-finite state is never
+            checkpointed.
     """
 
     name: str
@@ -73,6 +79,7 @@ class LoopConfig:
     deterministic: bool = True
     eval_bn_statistics: str = "moving"
     precise_bn_batches: int = 100
+    on_divergence: str = divergence.STOP
 
     @classmethod
     def of(cls, config, **run):
@@ -108,6 +115,14 @@ class Task:
 
     def prepare_evaluation(self, model, runner):
         """Readies the evaluation of the built `model` on `runner`."""
+
+    def data_identity(self):
+        """What identifies the run's data (a JSON value, e.g. `data_checks.fingerprint`), or None.
+
+        Part of the run's identity: a relaunch on other data is refused
+        unless it allows the change.
+        """
+        return None
 
     def write_start(self, writer):
         """Logs what a fresh run records before its first step (in `writer`)."""
@@ -183,16 +198,25 @@ def train_and_evaluate(task, loop, runner):
     model, optimizer = runner.build(task.build)
     task.prepare_evaluation(model, runner)
     checkpointer = runner.checkpointer(loop.run_dir, loop.max_to_keep, model, optimizer)
+    identity = run_config.identity(task.config)
+    data = task.data_identity()
+    if data is not None:
+        identity["data"] = data
+    learning_rate = optimizer.get_config()["learning_rate"]  # A float, or a schedule's config.
     with run_state.RunState(
         loop.run_dir,
         checkpointer,
         run_config.flat_values(task.config),
-        run_config.identity(task.config),
+        identity,
         loop.train_steps,
         is_chief=runner.is_chief,
         allow_config_change=loop.allow_config_change,
+        changeable=run_config.changeable_keys(task.config) | {"data"},
     ) as run:
-        if run.start == 0:
+        if isinstance(learning_rate, float):
+            # The config's rate, not the checkpoint's: a changed rate takes effect.
+            optimizer.learning_rate = learning_rate
+        if run.fresh:
             task.write_start(run.writer)
         # Sums per replica, divided by the global batch in the step: the
         # gradients of the global-batch mean loss.
@@ -200,7 +224,8 @@ def train_and_evaluate(task, loop, runner):
         run_steps = runner.train_function(
             task.train_dataset(run.start), model, optimizer, loss_fn, loop.batch_size
         )
-        history = train_and_log(run, task, loop, run_steps, model)
+        watch = divergence.Watch(model, runner.host_values)
+        history = train_and_log(run, task, loop, run_steps, model, watch, runner)
         if not run.finished:
             end_writer = run.end_writer()
             task.write_end(end_writer, history)
@@ -209,7 +234,7 @@ def train_and_evaluate(task, loop, runner):
         return history
 
 
-def train_and_log(run, task, loop, run_steps, model):
+def train_and_log(run, task, loop, run_steps, model, watch, runner):
     """Trains from `run.start` to `loop.train_steps`, evaluating every `loop.eval_every` steps.
 
     Steps run in compiled chunks of at most `loop.steps_per_execution`
@@ -221,111 +246,114 @@ def train_and_log(run, task, loop, run_steps, model):
     `trainers.run.run_state`: `run.record` writes it into the history,
     `task.write_summaries` logs it inside `run.writer` at that step (a no-op
     writer off the chief) and the writer is flushed, then `run.save`
-    checkpoints the step.
+    checkpoints the step, unless `watch` (a `divergence.Watch`) finds the
+    run diverged: the divergence is then recorded first, the step is not
+    checkpointed, one line says so, and with `loop.on_divergence` "stop" the
+    run ends there.
+
+    A SIGTERM or SIGINT (`preemption.StopRequests`) stops the run after the
+    compiled call it arrives in, every worker at the same step
+    (`runner.any_worker`): at the end of an interval after its commit, else
+    after committing the interval's sums so far (`run.record_partial`) and
+    checkpointing the step, so a relaunch goes on exactly as the
+    uninterrupted run. It ends in `preemption.Stopped`.
 
     Returns:
         `run.history`.
     """
-    history, step = run.history, run.start
+    history = run.history
     began = time.time() - history["wall_time_s"]
     progress = console.Progress(loop.name, run.start, loop.train_steps)
-    position = {"step": step}  # Where training stands, also mid-interval.
-    while position["step"] < loop.train_steps:
-        try:
-            _interval(run, task, loop, run_steps, model, position, began)
-        except KeyboardInterrupt:
-            progress.end_line()
-            raise console.Interrupted(loop.name, position["step"], run.saved_step) from None
-        record = history["evals"][-1]
-        progress.update(
-            position["step"],
-            {k: v for k, v in record.items() if k != "step" and isinstance(v, float)},
-        )
+    position = {"step": run.start}  # Where training stands, also mid-interval.
+    with preemption.StopRequests() as stops:
+
+        def stop_requested():
+            return runner.any_worker(stops.signal is not None)
+
+        while position["step"] < loop.train_steps and not run.finished:
+            try:
+                diverged = _interval(
+                    run, task, loop, run_steps, (model, watch), position, began, stop_requested
+                )
+            except KeyboardInterrupt as interrupted:
+                progress.end_line()
+                if isinstance(interrupted, _Stop):
+                    raise preemption.Stopped(
+                        loop.name, position["step"], stops.signal or _TERM, interrupted.saved
+                    ) from None
+                raise console.Interrupted(loop.name, position["step"], run.saved_step) from None
+            record = history["evals"][-1]
+            progress.update(
+                position["step"],
+                {k: v for k, v in record.items() if k != "step" and isinstance(v, float)},
+            )
+            if diverged:
+                break
+            if stop_requested():
+                progress.end_line()
+                saved = run.saved_step == position["step"]
+                raise preemption.Stopped(loop.name, position["step"], stops.signal or _TERM, saved)
     return history
 
 
-def _interval(run, task, loop, run_steps, model, position, began):
+_TERM = signal.SIGTERM  # What stopped a worker that agreed to another worker's signal.
+
+
+class _Stop(KeyboardInterrupt):
+    """Raised by `_interval` when it stopped mid-interval; `saved`: whether it checkpointed."""
+
+    def __init__(self, saved):
+        super().__init__(saved)
+        self.saved = saved
+
+
+def _interval(run, task, loop, run_steps, model_and_watch, position, began, stop_requested):
     """Trains from `position["step"]` to the next evaluation, evaluates and commits it.
 
     `position["step"]` follows every compiled call of `run_steps` (a whole
     interval without `steps_per_execution`), so an interruption knows the
-    step training had reached.
+    step training had reached. A run resumed mid-interval goes on from the
+    interval's committed sums. Returns whether the run stops there
+    (diverged, with `on_divergence` "stop"); raises `_Stop` when
+    `stop_requested()` after a call that does not end the interval.
     """
+    model, watch = model_and_watch
     step = position["step"]
     target = min(step - step % loop.eval_every + loop.eval_every, loop.train_steps)
-    interval_start, loss_sum, tick = step, 0.0, time.time()
+    sums = {"interval_start": step, "loss_sum": 0.0, "seconds": 0.0}
+    partial = run.history.pop("partial_interval", None)
+    if partial is not None and partial["step"] == step:  # Resumed mid-interval.
+        sums = {key: partial[key] for key in sums}
+    tick = time.time()
     while step < target:
         n = min(loop.steps_per_execution or target - step, target - step)
-        loss_sum += float(run_steps(n)) * n
+        sums["loss_sum"] += float(run_steps(n)) * n
         step += n
         position["step"] = step
+        if step < target and stop_requested():
+            sums["seconds"] += time.time() - tick
+            run.record_partial(step, sums, time.time() - began)
+            run.writer.flush()
+            saved = watch.weights_problem() is None  # A non-finite state is never checkpointed.
+            if saved:
+                run.save(step)
+            raise _Stop(saved)
     interval = {
-        "train_loss": loss_sum / (step - interval_start),
-        "steps": step - interval_start,
-        "seconds": time.time() - tick,
+        "train_loss": sums["loss_sum"] / (step - sums["interval_start"]),
+        "steps": step - sums["interval_start"],
+        "seconds": sums["seconds"] + time.time() - tick,
     }
-    record = evaluate(task, loop, model, step, interval)
+    record = evaluation.evaluate(task, loop, model, step, interval)
+    problem = watch.check(record, interval["steps"])
+    if problem is not None:
+        first = "diverged" not in run.history
+        run.diverge(step, problem)
+        if first:
+            console.diverged(loop.name, step, problem, run.saved_step, loop.on_divergence)
     run.record(record, step, time.time() - began)
     with run.writer.as_default(step=step):
         task.write_summaries(record, run.history)
     run.writer.flush()
-    run.save(step)
-
-
-def evaluate(task, loop, model, step, interval):
-    """The record of the evaluation at `step`, with the statistics `loop` chooses.
-
-    "moving": `task.evaluate`'s record. "precise": `task.evaluate` with the
-    moving statistics, then every keras_bn layer's statistics re-estimated
-    (`keras_bn.estimate_population_statistics`) on the first
-    `loop.precise_bn_batches` batches of `task.train_dataset(0)` and
-    `task.evaluate` again; the record is the second one, plus the first's
-    `task.statistics_metrics()` prefixed "moving_" and "precise_bn_seconds"
-    (the estimation's wall time). Every non-trainable variable of `model`
-    (BN statistics and counters, dropout's seed state the passes advance) is
-    put back as it was before the passes, so the moving statistics are what
-    is logged, checkpointed and trained on. A model without trainable
-    keras_bn layers has nothing to re-estimate: its "moving_" metrics are its
-    record's and "precise_bn_seconds" is 0.
-
-    On every engine the passes run in training mode over global
-    batches: under `tf.distribute` outside the replicas, so each pass's
-    statistics are those of the global batch (with per-replica BN in
-    training, of its replicas' examples pooled); under
-    `keras.distribution` the layer splits the batch as in training. Every
-    worker of a multi-worker run runs the same passes. Under `tf.distribute`
-    the statistics are read, and put back, as their mean over the replicas
-    (what a checkpoint holds and a restore writes), so with per-replica BN
-    on several replicas each replica's moving statistics become that mean
-    after a precise evaluation: inference and checkpoints are unchanged, and
-    training is too, except with Batch Renormalization, whose per-replica
-    `renorm_mean`/`renorm_stddev` enter the training transform.
-    """
-    record = task.evaluate(step, interval)
-    if loop.eval_bn_statistics == "moving":
-        return record
-    moving = {f"moving_{key}": record[key] for key in task.statistics_metrics()}
-    if not any(layer.trainable for layer in population.batch_norm_layers(model)):
-        return {**record, **moving, "precise_bn_seconds": 0.0}
-    state = [v for v in model.variables if not v.trainable]
-    saved = _snapshot(state)
-    try:
-        tick = time.time()
-        keras_bn.estimate_population_statistics(
-            model, task.train_dataset(0), loop.precise_bn_batches
-        )
-        seconds = time.time() - tick
-        record = task.evaluate(step, interval)
-    finally:
-        for variable, value in zip(state, saved):
-            variable.assign(value)
-    return {**record, **moving, "precise_bn_seconds": seconds}
-
-
-def _snapshot(variables):
-    """Copies of `variables`' values, to assign back."""
-    if keras.backend.backend() == "jax":
-        # JAX arrays are immutable: the values themselves, in their layout
-        # (sharded, or spanning processes), are the copy.
-        return [v.value for v in variables]
-    return [keras.ops.convert_to_numpy(v) for v in variables]
+    if problem is None:  # A non-finite state is never checkpointed.
+        run.save(step)
+    return problem is not None and loop.on_divergence == divergence.STOP
