@@ -72,7 +72,7 @@ class StrictJsonTest(absltest.TestCase):
         json_files.write_json(path, payload)
         with open(path) as f:
             text = f.read()
-        strict = json.loads(text, parse_constant=run_outputs._reject)
+        strict = json.loads(text, parse_constant=run_outputs.reject_constant)
         self.assertIsNone(strict["evals"][0]["loss"])
         self.assertEqual(
             strict["non_finite_values"],
@@ -98,7 +98,7 @@ class WatchTest(absltest.TestCase):
         self.bn = keras_bn.BatchNormalization(count_skipped_updates=True)
         self.model = keras.Model(inputs, self.bn(keras.layers.Dense(3)(inputs)))
         host = lambda variables: [keras.ops.convert_to_numpy(v) for v in variables]
-        self.watch = divergence.Watch(self.model, host)
+        self.watch = divergence.Watch(self.model, host, 0)
 
     def test_a_finite_record_and_state_is_no_divergence(self):
         self.assertIsNone(self.watch.check({"train_loss": 0.5, "accuracy": 0.9}, 4))
@@ -118,10 +118,10 @@ class WatchTest(absltest.TestCase):
     def test_a_layer_that_skipped_every_update_of_the_interval_is_named(self):
         self.model(np.full((4, 3), np.nan, "float32"), training=True)
         self.model(np.full((4, 3), np.nan, "float32"), training=True)
-        problem = self.watch.check({"train_loss": 0.5}, 2)
+        problem = self.watch.check({"train_loss": 0.5}, 2)  # Steps 1 and 2 since step 0.
         self.assertRegex(problem, rf"^BN layer {self.bn.name} skipped all 2 updates")
         self.model(np.full((4, 3), np.nan, "float32"), training=True)
-        self.assertIsNone(self.watch.check({"train_loss": 0.5}, 2))  # 1 of 2 skipped.
+        self.assertIsNone(self.watch.check({"train_loss": 0.5}, 4))  # 1 of steps 3 and 4.
 
 
 class DivergenceTest(parameterized.TestCase):

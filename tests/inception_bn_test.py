@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import keras_bn
 from tests import flag_state
+from tests import run_outputs
 from tests import tensorboard_events
 from trainers import inception_bn
 from trainers.inception import data as image_data
@@ -297,6 +298,43 @@ class SlowTrainerTest(parameterized.TestCase):
         with open(os.path.join(model_dir, "summary.json")) as f:
             summary = json.load(f)
         _check_run(self, model_dir, summary, 4)
+
+
+class RecipeChangeTest(absltest.TestCase):
+    """--allow_config_change with the recipe's learning rate or decay interval: applied."""
+
+    def _resumed(self, **change):
+        model_dir = tempfile.mkdtemp()
+        _smoke(model_dir, width_multiplier=0.05)
+        _smoke(model_dir, width_multiplier=0.05, train_steps=6, allow_config_change=True, **change)
+        return run_outputs.read_json(os.path.join(model_dir, "history.json"))  # Times left out.
+
+    def test_a_changed_rate_or_decay_takes_effect_from_the_restored_step(self):
+        rate = self._resumed(learning_rate=0.5)
+        decay = self._resumed(lr_decay_steps=1)
+        self.assertEqual(
+            rate["config_changes"][0]["changed"], {"recipe.learning_rate": [0.0075, 0.5]}
+        )
+        self.assertEqual(decay["config_changes"][0]["changed"], {"recipe.decay_steps": [40000, 1]})
+        self.assertEqual(rate["evals"][:2], decay["evals"][:2])  # Before the change: the same.
+        self.assertNotEqual(rate["evals"][2]["train_loss"], decay["evals"][2]["train_loss"])
+        # The recipe's own rate, 0.0075, with its decay every 40,000 steps, until step 4.
+        self.assertAlmostEqual(rate["evals"][1]["learning_rate"], 0.0075, places=6)
+        self.assertAlmostEqual(rate["evals"][2]["learning_rate"], 0.5, places=6)
+        # Decayed ×0.94 per step: at least 5 decays by step 6.
+        self.assertLess(decay["evals"][2]["learning_rate"], 0.0075 * 0.94**5 * 1.0001)
+
+    def test_a_changed_dropout_is_refused_in_one_line(self):
+        model_dir = tempfile.mkdtemp()
+        _smoke(model_dir, width_multiplier=0.05)
+        with self.assertRaisesRegex(SystemExit, r"whose recipe\.dropout cannot change \("):
+            _smoke(
+                model_dir,
+                width_multiplier=0.05,
+                train_steps=6,
+                dropout=0.5,
+                allow_config_change=True,
+            )
 
 
 def _config(**overrides):

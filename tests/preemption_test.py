@@ -22,12 +22,12 @@ from trainers.run import preemption
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ARGS = [
     "--use_fake_data",
-    "--image_size=64",
+    "--image_size=32",
     "--train_steps=40",
     "--eval_every=20",
     "--eval_steps=2",
     "--batch_size=8",
-    "--width_multiplier=0.25",
+    "--width_multiplier=0.05",
 ]
 
 
@@ -99,14 +99,20 @@ class PreemptionTest(parameterized.TestCase):
     def test_a_signal_mid_interval_checkpoints_that_step_and_the_relaunch_resumes_exactly(
         self, signum, status
     ):
+        if signum == signal.SIGINT and keras.backend.backend() == "jax":
+            # Same path as SIGTERM; each JAX launch compiles for a minute on 2 cores.
+            self.skipTest("SIGINT on JAX: tests/console_test.py (the MNIST trainer)")
 
         model_dir = tempfile.mkdtemp()
         process = _trainer(model_dir)
         history = os.path.join(model_dir, "history.json")
+        checkpoints = os.path.join(model_dir, "checkpoints")
         deadline = time.time() + 600
-        while not os.path.exists(history) and time.time() < deadline:
+        while time.time() < deadline and not (
+            os.path.isdir(checkpoints) and {"ckpt-20.index", "20"} & set(os.listdir(checkpoints))
+        ):
             time.sleep(0.05)  # The first evaluation (step 20) is committed.
-        time.sleep(0.3)
+        time.sleep(0.3)  # Training goes on: the signal comes mid-interval.
         process.send_signal(signum)
         code, out = _finish(process)
         self.assertEqual(code, status, out[-3000:])
@@ -120,8 +126,8 @@ class PreemptionTest(parameterized.TestCase):
         step = int(last.split("stopped at step ")[1].split()[0])
         committed = run_outputs.read_strict_json(history)
         self.assertEqual(committed["steps"], step)  # Nothing lost: the step is committed.
-        if step % 20:
-            self.assertEqual(committed["partial_interval"]["step"], step)
+        self.assertNotEqual(step % 20, 0)
+        self.assertEqual(committed["partial_interval"]["step"], step)
 
         code, out = _finish(_trainer(model_dir))
         self.assertEqual(code, 0, out[-3000:])

@@ -17,7 +17,8 @@ def without_varying(value):
     return value
 
 
-def _reject(constant):
+def reject_constant(constant):
+    """`json.loads`' `parse_constant` of strict JSON: NaN, Infinity and -Infinity raise."""
     raise ValueError(f"{constant} is not strict JSON")
 
 
@@ -28,7 +29,7 @@ def read_strict_json(path):
     "non_finite_values" (`trainers.run.json_files`); those are put back.
     """
     with open(path) as f:
-        json.loads(f.read(), parse_constant=_reject)
+        json.loads(f.read(), parse_constant=reject_constant)
     return json_files.read_json(path, None)
 
 

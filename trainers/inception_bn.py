@@ -111,9 +111,8 @@ class Config(strategy_lib.DistributionConfig):
     """
 
     variant: str = run_config.identity_field()
-    recipe: (
-        inception_recipes.Recipe | None
-    )  # None for variant "all": each has its own. = run_config.identity_field()
+    # None for variant "all": each variant has its own.
+    recipe: inception_recipes.Recipe | None = run_config.identity_field()
     model_dir: str
     data_dir: str | None
     dataset: str = run_config.identity_field()
@@ -205,6 +204,7 @@ def config_from_flags():
         values["lr_sweep"],
         overrides,
         inception_flags.VARIANT.default,
+        distribution_flags.engine(),
     )
     recipe = None  # --variant=all and --lr_sweep train several recipes.
     if values["variant"] != "all" and not values["lr_sweep"]:

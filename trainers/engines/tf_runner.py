@@ -28,6 +28,7 @@ class DistributeRunner:
     def __init__(self, strategy, jit_compile=False):
         self.strategy = strategy
         self.jit_compile = jit_compile
+        self._any_worker = None  # See `any_worker`.
 
     @property
     def num_replicas(self):
@@ -70,14 +71,22 @@ class DistributeRunner:
         return lambda n: multi_step(iterator, tf.constant(n))
 
     def any_worker(self, flag):
-        """Whether `flag` holds on any worker (every worker calls this at the same steps)."""
-        resolver = getattr(self.strategy, "cluster_resolver", None)
-        tasks = resolver.cluster_spec().as_dict() if resolver is not None else {}
-        if sum(len(t) for t in tasks.values()) <= 1:
+        """Whether `flag` holds on any worker (every worker calls this at the same steps).
+
+        Only `MultiWorkerMirroredStrategy` runs several Python processes
+        (a TPU pod's hosts run one); there the workers agree by an all-reduce.
+        """
+        if not isinstance(self.strategy, tf.distribute.MultiWorkerMirroredStrategy):
             return flag
-        value = tf.constant(int(flag))
-        per_replica = self.strategy.run(lambda: tf.identity(value))
-        return bool(self.strategy.reduce("MAX", per_replica, axis=None).numpy())
+        if self._any_worker is None:  # One traced function for the run.
+
+            @tf.function
+            def any_worker(value):
+                per_replica = self.strategy.run(tf.identity, args=(value,))
+                return self.strategy.reduce("MAX", per_replica, axis=None)
+
+            self._any_worker = any_worker
+        return bool(self._any_worker(tf.constant(int(flag))).numpy())
 
     def host_values(self, variables):
         """NumPy copies of `variables` values (as a distributed variable reads outside replicas)."""

@@ -7,7 +7,6 @@ the trainer cannot honour; `run` trains the sweep through
 
 import dataclasses
 
-from flags import distribution_flags as distribution_flags
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import table2 as inception_table2
 from trainers.reporting import lr_sweep
@@ -16,7 +15,7 @@ from trainers.run import errors
 from trainers.run import run_config
 
 
-def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_variant):
+def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_variant, engine):
     """Raises `errors.InputError` for the --num_seeds and --lr_sweep combinations refused.
 
     --num_seeds > 1 repeats --variant=all only; --lr_sweep trains the
@@ -33,6 +32,7 @@ def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_varia
         overrides: the recipe-overriding flags by name (--learning_rate,
             --dropout, --weight_decay, --lr_decay_steps), None where unset.
         default_variant: --variant's default, which a sweep accepts.
+        engine: the Keras backend the run trains on.
     """
     if num_seeds > 1 and variant != "all":
         raise errors.InputError(
@@ -52,11 +52,11 @@ def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_varia
             "--learning_rate, --dropout, --weight_decay and --lr_decay_steps. "
             f"Received: {', '.join(given)}"
         )
-    if distribution_flags.engine() != "tensorflow":
+    if engine != "tensorflow":
         raise errors.InputError(
             "--lr_sweep trains inception and bn_baseline, whose local response normalisation "
             "(tf.nn.local_response_normalization) builds on TensorFlow only: run the sweep "
-            f"under KERAS_BACKEND=tensorflow. Received: engine={distribution_flags.engine()}"
+            f"under KERAS_BACKEND=tensorflow. Received: engine={engine}"
         )
 
 

@@ -297,51 +297,67 @@ class OrbaxCheckpointer:
         if step in self._manager.all_steps():  # An unreadable one passed over by `restore`.
             self._manager.delete(step)
         # force: orbax's own save policy would skip a step silently.
-        with _stderr_held() as held:
-            try:
-                self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
-                self._manager.wait_until_finished()
-            except Exception as error:
-                # Said in one line by `errors.one_line_errors`; orbax's threads
-                # wrote dozens of tracebacks of it to stderr meanwhile.
-                held.drop = errors.disk_full(error) is not None
-                raise
+        with _stderr_without_disk_full():
+            self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
+            self._manager.wait_until_finished()
 
     def close(self):
         """Waits for orbax's background work (deletions) and releases it."""
         self._manager.close()
 
 
-class _Held:
-    drop = False
-
-
 @contextlib.contextmanager
-def _stderr_held():
-    """Holds what is written to file descriptor 2 (by Python or C threads) until the end.
+def _stderr_without_disk_full():
+    """Passes what is written to file descriptor 2 (by Python or C threads) on, live, but
+    for the tracebacks and lines of a full disk (`_NotTheDiskFull.MARKS`).
 
-    Then writes it out, unless the caller set `drop` (a failure said in one line).
+    Orbax's writer threads print dozens of them (some from C, past Python's
+    hooks); the save's own error says it in one line (`errors.one_line_errors`).
     """
     sys.stderr.flush()
-    saved = os.dup(2)
-    held = _Held()
-    with tempfile.TemporaryFile() as buffer:
-        os.dup2(buffer.fileno(), 2)
-        try:
-            yield held
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            if not held.drop:
-                buffer.seek(0)
-                os.write(2, buffer.read())
+    original = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    forwarder = threading.Thread(target=_forward, args=(read_end, original), daemon=True)
+    forwarder.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(original, 2)  # Closes the pipe's last write end: the forwarder sees its end.
+        forwarder.join(timeout=10)
+        os.close(original)
+
+
+def _forward(read_end, out):
+    """Copies lines from `read_end` to `out`; a traceback goes whole, or not at all."""
+    marks = [mark.encode() for mark in _NotTheDiskFull.MARKS]
+    block = []  # The traceback being read, decided at its last line (the exception's).
+    with os.fdopen(read_end, "rb") as lines:
+        for line in lines:
+            if block or line.startswith(b"Traceback (most recent call last):"):
+                block.append(line)
+                ends = line.strip() and not line[:1].isspace() and not line.startswith(b"Traceback")
+                if ends:
+                    if not any(mark in line for mark in marks):
+                        _write_all(out, b"".join(block))
+                    block = []
+            elif not any(mark in line for mark in marks):
+                _write_all(out, line)
+        _write_all(out, b"".join(block))
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 class _NotTheDiskFull(std_logging.Filter):
     """Drops the records and thread tracebacks orbax's threads leave after a full disk."""
 
-    MARKS = ("No space left on device", "Event loop is closed", "RESOURCE_EXHAUSTED")
+    # Each thread's own failure, and its callbacks into event loops closed by then.
+    MARKS = ("No space left on device", "Event loop is closed")
 
     def filter(self, record):
         text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")

@@ -28,11 +28,13 @@ class Watch:
     Args:
         model: the run's model, restored to its start step.
         host_values: the engine's `host_values(variables) -> [np.ndarray]`.
+        step: the step the model is at (the run's start).
     """
 
-    def __init__(self, model, host_values):
+    def __init__(self, model, host_values, step):
         self._model = model
         self._host_values = host_values
+        self._step = step  # Of the skipped-update counts below.
         self._counted = [
             layer
             for layer in population.batch_norm_layers(model)
@@ -44,14 +46,18 @@ class Watch:
         counters = [layer.skipped_updates for layer in self._counted]
         return [int(value) for value in self._host_values(counters)]
 
-    def check(self, record, steps):
-        """The first sign of divergence in the `steps` steps that led to `record`, or None.
+    def check(self, record, step):
+        """The first sign of divergence in `record`, at `step`, or in the steps that led there.
+
+        The skipped updates are counted since the previous check (or the
+        run's start, which may be mid-interval for a resumed run).
 
         Returns:
             A short text naming the first non-finite quantity ("train_loss
             is nan", "weight dense/kernel is not finite", ...), or None.
         """
         skipped, self._skipped = self._skipped, self._skipped_counts()
+        steps, self._step = step - self._step, step
         keys = sorted(record, key=lambda key: key != "train_loss")
         for key in keys:
             value = record[key]

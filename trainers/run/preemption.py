@@ -36,9 +36,15 @@ class StopRequests:
         self.signal = self.signal or signal.Signals(signum)
 
     def __enter__(self):
-        # Python runs signal handlers in the main thread only.
+        # Python runs signal handlers in the main thread only. A handler
+        # installed from C (`getsignal` gives None; e.g. a preemption notifier
+        # of JAX's distributed runtime) is left in place: it could not be put back.
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.CAUGHT}
+            self._previous = {
+                s: signal.signal(s, self._handle)
+                for s in self.CAUGHT
+                if signal.getsignal(s) is not None
+            }
         return self
 
     def __exit__(self, *unused_exc_info):

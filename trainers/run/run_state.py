@@ -91,16 +91,21 @@ class RunState:
         self._checkpointer = checkpointer
         self._history_path = os.path.join(run_dir, "history.json")
         identity = json.loads(json.dumps(identity))  # As the history file holds it.
+        recorded = json_files.read_json(self._history_path, None)
+        changes = {}
+        if recorded and recorded.get("steps"):
+            # Before the restore: a setting that changes the variables would
+            # make every checkpoint look unreadable.
+            allowed = set(changeable) if allow_config_change else set()
+            changes = self._identity_changes(recorded, identity, allowed)
         self.start = checkpointer.restore()
         self.saved_step = self.start  # The newest checkpoint's step (0: none).
         self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0, "identity": identity}
-        recorded = json_files.read_json(self._history_path, None)
         if self.start or _ended_diverged(recorded, identity):
-            allowed = set(changeable) if allow_config_change else set()
-            self.history = self._committed_history(recorded, identity, allowed)
-        # A diverged run that ended is over, though its checkpoint is older.
+            self.history = self._committed_history(recorded, identity, changes)
+        # A run that stopped diverged is over, though its checkpoint is older.
         ended = self.history.get("finished") and (
-            self.start == train_steps or "diverged" in self.history
+            self.start == train_steps or _ended_diverged(self.history, identity)
         )
         self.finished = self.history["finished"] = bool(ended)
         self.fresh = self.history["steps"] == 0  # Nothing of it is committed.
@@ -116,10 +121,10 @@ class RunState:
         if self.fresh:
             tensorboard_writers.write_config(self.writer, config_values)
 
-    def _committed_history(self, history, identity, allowed):
-        """The history up to the restored step, its identity checked against `identity`.
+    def _committed_history(self, history, identity, changes):
+        """The history up to the restored step, with `changes` (of `_identity_changes`) recorded.
 
-        A run that ended diverged keeps its whole history (the evaluations
+        A run that stopped diverged keeps its whole history (the evaluations
         after its last checkpoint included), unless its settings change.
         """
         if history is None:
@@ -134,41 +139,42 @@ class RunState:
                 del history["diverged"]  # Found after the checkpoint: found again, or not.
             if history.get("partial_interval", {}).get("step") != self.start:
                 history.pop("partial_interval", None)  # Not of the restored step.
+        if changes:
+            history.setdefault("config_changes", []).append(
+                {"step": self.start, "changed": changes}
+            )
+        history["identity"] = identity
+        return history
+
+    def _identity_changes(self, history, identity, allowed):
+        """`{key: [recorded, new]}` of the identity's changes (flat keys), each in `allowed`.
+
+        Raises:
+            errors.InputError: naming the differences, if any is not allowed.
+        """
         recorded = _flat(history.get("identity", identity))
         current = _flat(identity)
         changed = sorted(
             k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k)
         )
+        differences = ", ".join(f"{k}={recorded.get(k)!r} → {current.get(k)!r}" for k in changed)
+        fixed = [k for k in changed if not any(k == a or k.startswith(f"{a}.") for a in allowed)]
+        at = f"{self._run_dir} holds a run at step {history['steps']}"
+        if fixed and not allowed:
+            raise errors.InputError(
+                f"{at} with other settings ({differences}): relaunch with the run's settings, "
+                "pass another --model_dir, or pass --allow_config_change to continue it with "
+                "these (recorded in history.json)."
+            )
+        if fixed:
+            raise errors.InputError(
+                f"{at} whose {', '.join(fixed)} cannot change ({differences}): they fix its "
+                "initial weights or its variables. Relaunch with the run's values, or pass "
+                "another --model_dir to start a run with these."
+            )
         if changed:
-            differences = ", ".join(
-                f"{k}={recorded.get(k)!r} → {current.get(k)!r}" for k in changed
-            )
-            fixed = [
-                k for k in changed if not any(k == a or k.startswith(f"{a}.") for a in allowed)
-            ]
-            if fixed and not allowed:
-                raise errors.InputError(
-                    f"{self._run_dir} holds a run at step {self.start} with other settings "
-                    f"({differences}): relaunch with the run's settings, pass another "
-                    "--model_dir, or pass --allow_config_change to continue it with these "
-                    "(recorded in history.json)."
-                )
-            if fixed:
-                raise errors.InputError(
-                    f"{self._run_dir} holds a run at step {self.start} whose "
-                    f"{', '.join(fixed)} cannot change ({differences}): they fix its initial "
-                    "weights or its variables. Relaunch with the run's values, or pass another "
-                    "--model_dir to start a run with these."
-                )
             logging.warning("Continuing %s with changed settings: %s", self._run_dir, differences)
-            history.setdefault("config_changes", []).append(
-                {
-                    "step": self.start,
-                    "changed": {k: [recorded.get(k), current.get(k)] for k in changed},
-                }
-            )
-        history["identity"] = identity
-        return history
+        return {k: [recorded.get(k), current.get(k)] for k in changed}
 
     def record(self, record, step, wall_time_s):
         """Adds an evaluation `record` at `step` to the history and writes it (chief).
@@ -194,10 +200,15 @@ class RunState:
         if self.is_chief:
             json_files.write_json(self._history_path, self.history)
 
-    def diverge(self, step, reason):
-        """Records the run's first divergence, at `step`, before its `record` (see `divergence`)."""
+    def diverge(self, step, reason, stops):
+        """Records the run's first divergence, at `step`, before its `record` (see `divergence`).
+
+        `stops`: whether the run ends there (`--on_divergence=stop`); such a
+        run is over for good (a relaunch with its settings trains nothing).
+        """
         self.history.setdefault(
-            "diverged", {"step": step, "reason": reason, "last_checkpoint": self.saved_step}
+            "diverged",
+            {"step": step, "reason": reason, "last_checkpoint": self.saved_step, "stopped": stops},
         )
 
     def save(self, step):
@@ -230,11 +241,11 @@ class RunState:
 
 
 def _ended_diverged(history, identity):
-    """Whether `history` (or None) is of a run that ended diverged, with these settings."""
+    """Whether `history` (or None) is of a run that stopped diverged, with these settings."""
     return bool(
         history
         and history.get("finished")
-        and "diverged" in history
+        and history.get("diverged", {}).get("stopped")
         and history.get("identity") == identity
     )
 

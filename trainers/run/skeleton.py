@@ -51,7 +51,8 @@ class LoopConfig:
         max_to_keep: checkpoints kept.
         sync_group_size: replicas per synchronised-BN group, or None.
         allow_config_change: resume a run whose recorded identity
-            (`Task.identity`) differs, recording the change.
+            (`run_config.identity` of `Task.config`, and `Task.data_identity`)
+            differs in settings that can change, applying and recording them.
         deterministic: make the engine's ops deterministic
             (`runner.make_deterministic`), so a run and its resumption after
             any kill give bit-identical histories.
@@ -103,8 +104,8 @@ class Task:
             what a resumed run must share with its checkpoint.
 
     The skeleton calls, in order: `build` (under the engine's scope),
-    `prepare_evaluation`, `write_start`
-    (fresh runs only), `train_dataset`, then per evaluation `evaluate` and
+    `prepare_evaluation`, `data_identity`, `write_start` (fresh runs
+    only), `train_dataset`, then per evaluation `evaluate` and
     `write_summaries`, and `write_end` (once per run, also when a relaunch
     finds the end of a finished run not yet logged).
     """
@@ -224,7 +225,7 @@ def train_and_evaluate(task, loop, runner):
         run_steps = runner.train_function(
             task.train_dataset(run.start), model, optimizer, loss_fn, loop.batch_size
         )
-        watch = divergence.Watch(model, runner.host_values)
+        watch = divergence.Watch(model, runner.host_values, run.start)
         history = train_and_log(run, task, loop, run_steps, model, watch, runner)
         if not run.finished:
             end_writer = run.end_writer()
@@ -264,7 +265,8 @@ def train_and_log(run, task, loop, run_steps, model, watch, runner):
     history = run.history
     began = time.time() - history["wall_time_s"]
     progress = console.Progress(loop.name, run.start, loop.train_steps)
-    position = {"step": run.start}  # Where training stands, also mid-interval.
+    # Where training stands, also mid-interval: what an interruption reports.
+    position = {"step": run.start}
     with preemption.StopRequests() as stops:
 
         def stop_requested():
@@ -289,7 +291,8 @@ def train_and_log(run, task, loop, run_steps, model, watch, runner):
             )
             if diverged:
                 break
-            if stop_requested():
+            # At the last step the run ends as usual: nothing is left to stop.
+            if position["step"] < loop.train_steps and stop_requested():
                 progress.end_line()
                 saved = run.saved_step == position["step"]
                 raise preemption.Stopped(loop.name, position["step"], stops.signal or _TERM, saved)
@@ -344,10 +347,10 @@ def _interval(run, task, loop, run_steps, model_and_watch, position, began, stop
         "seconds": sums["seconds"] + time.time() - tick,
     }
     record = evaluation.evaluate(task, loop, model, step, interval)
-    problem = watch.check(record, interval["steps"])
+    problem = watch.check(record, step)
     if problem is not None:
         first = "diverged" not in run.history
-        run.diverge(step, problem)
+        run.diverge(step, problem, stops=loop.on_divergence == divergence.STOP)
         if first:
             console.diverged(loop.name, step, problem, run.saved_step, loop.on_divergence)
     run.record(record, step, time.time() - began)
