@@ -23,8 +23,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ARGS = [
     "--use_fake_data",
     "--image_size=32",
-    "--train_steps=40",
-    "--eval_every=20",
+    "--train_steps=60",
+    "--eval_every=30",
     "--eval_steps=2",
     "--batch_size=8",
     "--width_multiplier=0.05",
@@ -109,10 +109,10 @@ class PreemptionTest(parameterized.TestCase):
         checkpoints = os.path.join(model_dir, "checkpoints")
         deadline = time.time() + 600
         while time.time() < deadline and not (
-            os.path.isdir(checkpoints) and {"ckpt-20.index", "20"} & set(os.listdir(checkpoints))
+            os.path.isdir(checkpoints) and {"ckpt-30.index", "30"} & set(os.listdir(checkpoints))
         ):
-            time.sleep(0.05)  # The first evaluation (step 20) is committed.
-        time.sleep(0.3)  # Training goes on: the signal comes mid-interval.
+            time.sleep(0.02)  # The first evaluation (step 30) is committed.
+        time.sleep(0.1)  # Training goes on: the signal comes mid-interval.
         process.send_signal(signum)
         code, out = _finish(process)
         self.assertEqual(code, status, out[-3000:])
@@ -126,7 +126,7 @@ class PreemptionTest(parameterized.TestCase):
         step = int(last.split("stopped at step ")[1].split()[0])
         committed = run_outputs.read_strict_json(history)
         self.assertEqual(committed["steps"], step)  # Nothing lost: the step is committed.
-        self.assertNotEqual(step % 20, 0)
+        self.assertNotEqual(step % 30, 0)
         self.assertEqual(committed["partial_interval"]["step"], step)
 
         code, out = _finish(_trainer(model_dir))

@@ -36,20 +36,17 @@ class StopRequests:
         self.signal = self.signal or signal.Signals(signum)
 
     def __enter__(self):
-        # Python runs signal handlers in the main thread only. A handler
-        # installed from C (`getsignal` gives None; e.g. a preemption notifier
-        # of JAX's distributed runtime) is left in place: it could not be put back.
+        # Python runs signal handlers in the main thread only.
         if threading.current_thread() is threading.main_thread():
-            self._previous = {
-                s: signal.signal(s, self._handle)
-                for s in self.CAUGHT
-                if signal.getsignal(s) is not None
-            }
+            self._previous = {s: signal.signal(s, self._handle) for s in self.CAUGHT}
         return self
 
     def __exit__(self, *unused_exc_info):
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # A handler installed from C (None: under JAX the runtime's own
+            # SIGTERM handler, which does not end the process) cannot be put
+            # back: the default, ending the process, takes its place.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         self._previous = {}
 
 
