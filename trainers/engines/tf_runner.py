@@ -82,8 +82,9 @@ class DistributeRunner:
 
             @tf.function
             def any_worker(value):
+                # tf.distribute reduces by SUM or MEAN only: a sum of 0/1 flags.
                 per_replica = self.strategy.run(tf.identity, args=(value,))
-                return self.strategy.reduce("MAX", per_replica, axis=None)
+                return self.strategy.reduce("SUM", per_replica, axis=None) > 0
 
             self._any_worker = any_worker
         return bool(self._any_worker(tf.constant(int(flag))).numpy())
