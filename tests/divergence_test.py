@@ -42,10 +42,13 @@ def _run(model_dir, **overrides):
         seed=1,
     )
     settings.update(overrides)
-    with (
-        tfds.testing.mock_data(num_examples=100),
-        flag_state.trainer_flags(mnist_sigmoid, **settings),
-    ):
+    with tfds.testing.mock_data(num_examples=100):
+        return _exit_message(settings)
+
+
+def _exit_message(settings):
+    """`mnist_sigmoid.main` under the flags `settings`: its exit message, None when it returns."""
+    with flag_state.trainer_flags(mnist_sigmoid, **settings):
         try:
             mnist_sigmoid.main(["mnist_sigmoid"])
         except SystemExit as exit_:
@@ -209,12 +212,7 @@ class DataIdentityTest(absltest.TestCase):
             train_subset=200,
             probe_size=30,
         )
-        with flag_state.trainer_flags(mnist_sigmoid, **{**settings, **overrides}):
-            try:
-                mnist_sigmoid.main(["mnist_sigmoid"])
-            except SystemExit as exit_:
-                return str(exit_.code)
-        return None
+        return _exit_message({**settings, **overrides})
 
     def test_other_data_under_the_same_name_is_refused_unless_allowed(self):
         # Fashion-MNIST's files and info, named mnist.
