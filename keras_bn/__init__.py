@@ -3,6 +3,7 @@
 from keras_bn.batch_normalization import BatchNormalization
 from keras_bn.conversion import convert_batch_norm
 from keras_bn.folding import fold_batch_norm
+from keras_bn.folding import folding_plan
 from keras_bn.monitor import BatchNormMonitor
 from keras_bn.population import estimate_population_statistics
 
@@ -14,4 +15,5 @@ __all__ = [
     "convert_batch_norm",
     "estimate_population_statistics",
     "fold_batch_norm",
+    "folding_plan",
 ]

@@ -5,14 +5,19 @@ import numpy as np
 
 from keras_bn.batch_normalization import BatchNormalization
 
-# Layers whose kernel keeps the output features on its last axis, so that a
-# per-output-feature scale folds into kernel[..., k].
-_FOLDABLE = (
-    keras.layers.Dense,
-    keras.layers.Conv1D,
-    keras.layers.Conv2D,
-    keras.layers.Conv3D,
+_CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+_TRANSPOSE = (
+    keras.layers.Conv1DTranspose,
+    keras.layers.Conv2DTranspose,
+    keras.layers.Conv3DTranspose,
 )
+_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+_SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+# A BN after one of these folds into its output channels; before one of
+# these (with "valid" padding, where no zero padding meets the BN's offset)
+# into its input channels.
+_PRODUCERS = (keras.layers.Dense, *_CONV, *_TRANSPOSE, *_DEPTHWISE, *_SEPARABLE)
+_CONSUMERS = (keras.layers.Dense, *_CONV)
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")
@@ -78,47 +83,137 @@ def _graph(model):
     return callers, consumers
 
 
-def _foldable_pairs(model):
-    """Maps each foldable producer's name to the BN layer that follows it."""
+def _channel_axis(layer, rank):
+    """The axis of `layer`'s channels in its rank-`rank` input or output."""
+    if isinstance(layer, keras.layers.Dense) or layer.data_format == "channels_last":
+        return rank - 1
+    return 1
+
+
+def _why_not_after(bn, producer, callers, consumers):
+    """Why `bn` cannot fold into `producer`, the layer it is called on (None if it can)."""
+    if producer is None or isinstance(producer, keras.layers.InputLayer):
+        return "its input is a model input"
+    if not isinstance(producer, _PRODUCERS):
+        return f"its input comes from {producer.name} ({type(producer).__name__})"
+    if producer.activation not in (None, keras.activations.linear):
+        return f"its input {producer.name} has activation {producer.activation.__name__}"
+    if len(callers.get(producer.name, [])) != 1 or consumers.get(producer.name, 0) != 1:
+        return f"its input {producer.name} is called more than once or has other consumers"
+    if bn.feature_axes != (_channel_axis(producer, len(producer.output.shape)),):
+        return f"it does not normalise the channels of its input {producer.name}"
+    return None
+
+
+def _why_not_before(bn, consumer, callers):
+    """Why `bn` cannot fold into `consumer`, the one layer called on it (None if it can)."""
+    if consumer is None:
+        return "its output has several consumers or is a model output"
+    if type(consumer) not in _CONSUMERS:
+        return f"its output goes to {consumer.name} ({type(consumer).__name__})"
+    if callers[consumer.name] != [[bn.name]]:
+        return f"its consumer {consumer.name} is called more than once or on other inputs"
+    if isinstance(consumer, _CONV) and (consumer.padding != "valid" or consumer.groups != 1):
+        return f"its consumer {consumer.name} pads (its zeros would not be normalised) or groups"
+    if bn.feature_axes != (_channel_axis(consumer, len(consumer.input.shape)),):
+        return f"it does not normalise the input channels of its consumer {consumer.name}"
+    return None
+
+
+def _plan(model):
+    """`(after, before, reasons)`: the BN folded into each producer and consumer, by name.
+
+    `reasons` says, for every keras_bn layer of `model` (not nested), where it
+    folds or why it is kept (see `folding_plan`).
+    """
     callers, consumers = _graph(model)
-    pairs = {}
+    only_consumer = {}
+    for name, calls in callers.items():
+        for source in {n for call in calls for n in call} - {None}:
+            only_consumer[source] = model.get_layer(name) if consumers[source] == 1 else None
+    after, before, reasons = {}, {}, {}
     for bn in model.layers:
+        if not isinstance(bn, BatchNormalization):
+            continue
         calls = callers.get(bn.name, [])
-        if not isinstance(bn, BatchNormalization) or len(calls) != 1 or len(calls[0]) != 1:
+        if len(calls) != 1 or len(calls[0]) != 1:
+            reasons[bn.name] = "kept: it is called more than once or on several inputs"
             continue
-        producer = model.get_layer(calls[0][0])
-        if (
-            type(producer) not in _FOLDABLE
-            or producer.activation not in (None, keras.activations.linear)
-            or len(callers.get(producer.name, [])) != 1
-            or consumers.get(producer.name, 0) != 1
+        producer = model.get_layer(calls[0][0]) if calls[0][0] else None
+        why_not_after = _why_not_after(bn, producer, callers, consumers)
+        consumer = only_consumer.get(bn.name)
+        if why_not_after is None:
+            after[producer.name] = bn
+            reasons[bn.name] = f"folded into {producer.name}, its input"
+        elif (
+            consumer is not None
+            and consumer.name not in before
+            and (_why_not_before(bn, consumer, callers) is None)
         ):
-            continue
-        rank = len(producer.output.shape)
-        if isinstance(producer, keras.layers.Dense) or (producer.data_format == "channels_last"):
-            channel_axis = rank - 1
+            before[consumer.name] = bn
+            reasons[bn.name] = f"folded into {consumer.name}, its consumer"
         else:
-            channel_axis = 1
-        if bn.feature_axes == (channel_axis,):
-            pairs[producer.name] = bn
-    return pairs
+            why_not_before = _why_not_before(bn, consumer, callers)
+            reasons[bn.name] = f"kept: {why_not_after}; {why_not_before}"
+    return after, before, reasons
+
+
+def folding_plan(model):
+    """What `fold_batch_norm` does with each keras_bn layer of `model`, by layer name.
+
+    A layer folds into its input's layer ("folded into NAME, its input")
+    or, failing that, into its one consumer ("folded into NAME, its
+    consumer"); else it is kept, and the value says why for both ("kept:
+    its input conv has activation relu; its output goes to add (Add)").
+    Layers of nested models are planned within their model (not listed).
+
+    Args:
+        model: a built `keras.Sequential` or functional `keras.Model`.
+
+    Returns:
+        A dict from each keras_bn layer's name to one line.
+
+    Raises:
+        ValueError: if `model` is not a built Sequential/functional model.
+    """
+    _check_model(model)
+    return _plan(model)[2]
+
+
+def _check_model(model):
+    # Only Sequential and functional models have graph inputs (public API).
+    if not isinstance(model, keras.Model) or not hasattr(model, "inputs"):
+        raise ValueError(
+            "fold_batch_norm needs a Sequential or functional model. "
+            f"Received: model={type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(f"fold_batch_norm needs a built model. Received: model={model.name}")
 
 
 def fold_batch_norm(model):
     """Returns an inference copy of `model` with batch norms folded away.
 
-    Each `keras_bn.BatchNormalization` whose only input is a `Dense`,
-    `Conv1D`, `Conv2D` or `Conv3D` layer with a linear activation, normalising
-    that layer's output channels and being its only consumer, is folded into
-    it, using the inference-mode transform
-        s = γ / √(moving_variance + ε),
-        W' = W · s (per output channel),   b' = (b − moving_mean) · s + β,
-    and replaced by a `FoldedBatchNorm` identity layer. Nested Sequential and
-    functional models are folded the same way, each on its own (a pair is
-    folded when both layers are in the same model). The folded weights are
-    computed in float64 and stored in each layer's own dtype, so a float64
-    model stays float64. Every other layer is copied with its weights; the
-    original model is left untouched and shares no variables with the copy.
+    With the inference-mode transform of a `keras_bn.BatchNormalization`,
+    y = x·s + t where s = γ / √(moving_variance + ε) and t = β − moving_mean·s
+    (per channel), a layer folds
+    - into the linear layer it follows (its input's `Dense`, `Conv1D/2D/3D`,
+      `Conv1D/2D/3DTranspose`, `DepthwiseConv1D/2D` or `SeparableConv1D/2D`,
+      with a linear activation and no other consumer, whose output channels
+      it normalises): W' = W·s per output channel (a depthwise kernel per
+      input channel × multiplier, a separable one in its pointwise kernel),
+      b' = (b − moving_mean)·s + β;
+    - else into the linear layer that alone consumes it (a `Dense`, or a
+      `Conv1D/2D/3D` with `padding="valid"` and no groups, whose input
+      channels it normalises; padding would meet the offset t with zeros):
+      W' = W·s per input channel, b' = b + Σ W·t;
+    and is replaced by a `FoldedBatchNorm` identity layer. Every other
+    keras_bn layer is kept, for the reason `folding_plan(model)` gives.
+    Nested Sequential and functional models are folded the same way, each on
+    its own. The folded weights are computed in float64 and stored in each
+    layer's own dtype, so a float64 model stays float64. Every other layer is
+    copied with its weights; the original model is left untouched and shares
+    no variables with the copy.
 
     Args:
         model: a built `keras.Sequential` or functional `keras.Model`.
@@ -130,16 +225,9 @@ def fold_batch_norm(model):
     Raises:
         ValueError: if `model` is not a built Sequential/functional model.
     """
-    # Only Sequential and functional models have graph inputs (public API).
-    if not isinstance(model, keras.Model) or not hasattr(model, "inputs"):
-        raise ValueError(
-            "fold_batch_norm needs a Sequential or functional model. "
-            f"Received: model={type(model).__name__}"
-        )
-    if not model.built:
-        raise ValueError(f"fold_batch_norm needs a built model. Received: model={model.name}")
-    pairs = _foldable_pairs(model)
-    folded_bns = {bn.name for bn in pairs.values()}
+    _check_model(model)
+    after, before, _ = _plan(model)
+    folded_bns = {bn.name for bn in (*after.values(), *before.values())}
 
     def clone(layer):
         if layer.name in folded_bns:
@@ -147,7 +235,7 @@ def fold_batch_norm(model):
         if isinstance(layer, keras.Model) and hasattr(layer, "inputs"):
             return fold_batch_norm(layer)  # Folded and filled with its weights.
         config = layer.get_config()
-        if layer.name in pairs:
+        if layer.name in after or layer.name in before:
             config["use_bias"] = True
         return layer.__class__.from_config(config)
 
@@ -158,24 +246,50 @@ def fold_batch_norm(model):
         if isinstance(layer, keras.Model) and hasattr(layer, "inputs"):
             continue  # Its folded clone holds its weights already.
         target = folded.get_layer(layer.name)
-        if layer.name in pairs:
-            _fold_into(target, layer, pairs[layer.name])
+        if layer.name in after or layer.name in before:
+            _fold_into(target, layer, before.get(layer.name), after.get(layer.name))
         else:
             target.set_weights(layer.get_weights())
     return folded
 
 
-def _fold_into(target, producer, bn):
-    """Writes `producer`'s kernel and bias with `bn` folded in into `target`."""
+def _value(variable):
+    return np.asarray(keras.ops.convert_to_numpy(variable), np.float64)
 
-    def value(variable):
-        return np.asarray(keras.ops.convert_to_numpy(variable), np.float64)
 
-    kernel = value(producer.kernel)
-    bias = value(producer.bias) if producer.use_bias else np.zeros(kernel.shape[-1])
-    scale = 1.0 / np.sqrt(value(bn.moving_variance) + bn.epsilon)
+def _affine(bn):
+    """`(s, t)` of `bn`'s inference transform x·s + t, per channel, in float64."""
+    scale = 1.0 / np.sqrt(_value(bn.moving_variance) + bn.epsilon)
     if bn.scale:
-        scale = scale * value(bn.gamma)
-    offset = value(bn.beta) if bn.center else 0.0
-    target.kernel.assign((kernel * scale).astype(target.kernel.dtype))
-    target.bias.assign(((bias - value(bn.moving_mean)) * scale + offset).astype(target.bias.dtype))
+        scale = scale * _value(bn.gamma)
+    offset = _value(bn.beta) if bn.center else 0.0
+    return scale, offset - _value(bn.moving_mean) * scale
+
+
+def _fold_into(target, layer, bn_before, bn_after):
+    """Writes `layer`'s weights into `target` with `bn_before` and `bn_after` (or None) folded."""
+    separable = isinstance(layer, _SEPARABLE)
+    kernel = _value(layer.pointwise_kernel if separable else layer.kernel)
+    channels = kernel.shape[-2] if isinstance(layer, _TRANSPOSE) else kernel.shape[-1]
+    if isinstance(layer, _DEPTHWISE):
+        channels = kernel.shape[-2] * kernel.shape[-1]
+    bias = _value(layer.bias) if layer.use_bias else np.zeros(channels)
+    if bn_before is not None:  # Input channels: the kernel's axis -2 (Dense, Conv).
+        scale, shift = _affine(bn_before)
+        bias = bias + (kernel * shift[:, None]).reshape(-1, kernel.shape[-1]).sum(0)
+        kernel = kernel * scale[:, None]
+    if bn_after is not None:
+        scale, shift = _affine(bn_after)
+        if isinstance(layer, _DEPTHWISE):  # Output channel c·multiplier + m.
+            kernel = kernel * scale.reshape(kernel.shape[-2:])
+        elif isinstance(layer, _TRANSPOSE):  # Kernel (..., filters, inputs).
+            kernel = kernel * scale[:, None]
+        else:
+            kernel = kernel * scale
+        bias = bias * scale + shift
+    weights = {"bias": bias, ("pointwise_kernel" if separable else "kernel"): kernel}
+    for name, value in weights.items():
+        variable = getattr(target, name)
+        variable.assign(value.astype(variable.dtype))
+    if separable:
+        target.depthwise_kernel.assign(layer.depthwise_kernel)

@@ -24,7 +24,6 @@ from trainers.inception import data as image_data
 from trainers.inception import model as inception_model
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import task as inception_task
-from trainers.run import run_config
 from trainers.run import skeleton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,8 +161,8 @@ class WidthMultiplierTest(parameterized.TestCase):
 
     def test_recorded_in_the_config_and_identity(self):
         run = inception_task.InceptionRun(_config(width_multiplier=0.25))
-        self.assertEqual(run_config.flat_values(run.config)["width_multiplier"], 0.25)
-        self.assertEqual(run_config.identity(run.config)["width_multiplier"], 0.25)
+        self.assertEqual(run.config.flat_values()["width_multiplier"], 0.25)
+        self.assertEqual(run.config.identity()["width_multiplier"], 0.25)
         run.build()
         self.assertEqual(run.model.get_layer("conv2_3x3").filters, 48)
 
@@ -218,7 +217,7 @@ class TrainerTest(parameterized.TestCase):
 
     def test_config_records_every_flag(self):
         config = _config(learning_rate=0.01, dropout=0.2, sync_batch_norm=True, sync_group_size=2)
-        values = run_config.flat_values(config)
+        values = config.flat_values()
         self.assertEqual(values["recipe.learning_rate"], 0.01)
         self.assertEqual(values["recipe.dropout"], 0.2)
         self.assertEqual(values["sync_group_size"], 2)

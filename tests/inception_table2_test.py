@@ -18,7 +18,6 @@ from trainers import inception_bn
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import table2 as inception_table2
 from trainers.run import errors
-from trainers.run import run_config
 
 
 def setUpModule():
@@ -122,7 +121,7 @@ class AllFlagsTest(parameterized.TestCase):
             self.assertEqual(flags.FLAGS.variant, args[0].split("=")[1])
 
     def test_all_config_records_no_recipe(self):
-        values = run_config.flat_values(_all_config(with_inception_x5=True))
+        values = _all_config(with_inception_x5=True).flat_values()
         self.assertEqual(values["variant"], "all")
         self.assertTrue(values["with_inception_x5"])
         self.assertFalse([k for k in values if k.startswith("recipe.")])
@@ -141,7 +140,7 @@ class DriverTest(absltest.TestCase):
             evals = HISTORIES.get(one.variant, _evals(0.4, 0.65, 0.7, 0.75))
             return {"evals": evals, "steps": 400, "wall_time_s": 12.0}
 
-        table = inception_table2.run(config, train_variant, run_config.flat_values)
+        table = inception_table2.run(config, train_variant)
         self.assertEqual(seen, list(inception_recipes.TABLE2_VARIANTS))
         self.assertEqual(table["rows"]["bn_x30"]["steps_to_reference"], 200)
         with open(os.path.join(config.model_dir, "summary.json")) as f:
@@ -249,7 +248,7 @@ class SeedsTest(parameterized.TestCase):
             evals = SEED_HISTORIES[one.seed - 3].get(one.variant, _evals(0.4, 0.65, 0.7, 0.75))
             return {"evals": evals, "steps": 400, "wall_time_s": 12.0}
 
-        summary = inception_table2.run(config, train_variant, run_config.flat_values)
+        summary = inception_table2.run(config, train_variant)
         variants = inception_recipes.TABLE2_VARIANTS
         self.assertEqual(seen, [(s, v) for s in (3, 4) for v in variants])
         self.assertEqual(summary["rows"]["bn_x5"]["steps_to_reference"]["mean"], 150.0)

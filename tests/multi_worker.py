@@ -114,6 +114,26 @@ class Worker:
         return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
+def wait_for(done, workers, timeout_s):
+    """Waits until `done()` holds while every worker runs; False if one lost its port first.
+
+    Raises:
+        AssertionError: if a worker ended otherwise first, or `timeout_s` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        for worker in workers:
+            code = worker.process.poll()
+            if code is not None:
+                if port_clash(code, worker.output()):
+                    return False
+                raise AssertionError(f"A worker ended first ({code}):\n{worker.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Not done within {timeout_s} s")
+        time.sleep(0.1)
+    return True
+
+
 @contextlib.contextmanager
 def started_workers(module, args_per_worker, extra_env=None, cluster_env=tf_config_env):
     """Starts one worker per entry of `args_per_worker` and yields their `Worker`s.

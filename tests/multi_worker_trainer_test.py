@@ -12,10 +12,10 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import tempfile
 import time
-from unittest import mock
 
 from absl.testing import absltest
 import numpy as np
@@ -23,8 +23,8 @@ import pytest
 import tensorflow as tf
 
 from tests import multi_worker
+from tests import run_outputs
 from tests import tensorboard_events
-from trainers.engines import strategy as strategy_lib
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import task as inception_task
 from trainers.run import event_files
@@ -60,18 +60,8 @@ def _await_checkpoint(model_dir, workers):
     Committed: listed in TensorFlow's `checkpoint` state file, written after
     the checkpoint's own files.
     """
-    deadline = time.monotonic() + _TIMEOUT_S
-    while not tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")):
-        for worker in workers:
-            code = worker.process.poll()
-            if code is not None:
-                if multi_worker.port_clash(code, worker.output()):
-                    return False
-                raise AssertionError(f"A worker ended first ({code}):\n{worker.output()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"No checkpoint within {_TIMEOUT_S} s")
-        time.sleep(0.2)
-    return True
+    directory = os.path.join(model_dir, "checkpoints")
+    return multi_worker.wait_for(lambda: tf.train.latest_checkpoint(directory), workers, _TIMEOUT_S)
 
 
 def _event_files(model_dir, end=False):
@@ -164,87 +154,40 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         with open(os.path.join(model_dir, "summary.json")) as f:
             self.assertEqual(json.load(f)["steps"], 8)
 
+    def test_sigterm_to_one_worker_stops_both_at_one_step_and_relaunch_resumes(self):
+        whole, model_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
+        for code, output in _launch(whole, train_steps=6):
+            self.assertEqual(code, 0, output[-3000:])
+        args = _args(model_dir, train_steps=6)
+        for _ in range(3):  # Launches retried while a worker loses its port.
+            with multi_worker.started_workers(_MODULE, [args, args]) as workers:
+                if not _await_checkpoint(model_dir, workers):
+                    continue
+                workers[1].process.send_signal(signal.SIGTERM)  # A notice to one machine.
+                ended = [(w.process.wait(timeout=_TIMEOUT_S), w.output()) for w in workers]
+            break
+        else:
+            self.fail("Every launch lost a port")
+        steps = set()
+        for code, output in ended:
+            self.assertEqual(code, 143, output[-3000:])  # Both stop, as on a SIGTERM.
+            stopped = re.search(r"stopped at step (\d+) on SIGTERM; checkpoint saved", output)
+            self.assertIsNotNone(stopped, output[-3000:])
+            self.assertNotIn("Traceback", output)
+            steps.add(int(stopped[1]))
+        self.assertLen(steps, 1)  # Agreed: one step, checkpointed once.
+        (step,) = steps
+        self.assertLess(step, 6)
 
-# TensorFlow's errors in a survivor, as real runs raised them: a compiled
-# step's collective finding the peer's connection reset, and an eager one
-# aborted by the coordination service's missed heartbeats.
-_RESET = (
-    "Graph execution error:\n\nDetected at node while/CollectiveReduceV2_11 defined at (most "
-    'recent call last):\n  File "trainers/engines/loops.py", line 38, in run\n\nCollective ops is '
-    "aborted by: recvmsg:Connection reset by peer\nAdditional GRPC error information from "
-    "remote target /job:worker/replica:0/task:{peer} while calling "
-    "/tensorflow.WorkerService/RecvBuf:\n\t [[{{{{node while/CollectiveReduceV2_11}}}}]]"
-)
-_HEARTBEATS = (
-    "{{{{function_node __wrapped__CollectiveReduceV2_device_/job:worker/replica:0/task:{this}"
-    "/device:CPU:0}}}} Collective ops is aborted by: Error reported from /job:worker/task:{peer}: "
-    "The following tasks are unhealthy (stopped sending heartbeats):\n"
-    "/job:worker/replica:0/task:{peer}\nThe tasks have crashed."
-)
-
-
-def _distribution(name):
-    """A `DistributionConfig` of strategy `name`."""
-    return strategy_lib.DistributionConfig(name, None, None, None, False, None)
-
-
-class LostWorkerMessageTest(absltest.TestCase):
-    """The one line a survivor's TensorFlow error becomes (no processes started)."""
-
-    def lost(self, error, this=0, model_dir=None):
-        """The `WorkerLostError` message `error` becomes in worker `this` of a 2-worker job."""
-        cluster = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
-        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": this}})
-        config = _distribution("multi_worker_mirrored")
-        with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
-            with self.assertRaises(strategy_lib.WorkerLostError) as raised:
-                with config.reporting_lost_workers(model_dir or tempfile.mkdtemp()):
-                    raise error
-        return str(raised.exception)
-
-    def test_names_the_peer_and_the_newest_checkpoint(self):
-        model_dir = tempfile.mkdtemp()
-        for run, step, mtime in [("bn_x5", 9, 1.0), ("inception", 2, 2.0)]:
-            os.makedirs(os.path.join(model_dir, run, "checkpoints"))
-            index = os.path.join(model_dir, run, "checkpoints", f"ckpt-{step}.index")
-            open(index, "w").close()
-            os.utime(index, (mtime, mtime))
-        message = self.lost(
-            tf.errors.UnavailableError(None, None, _RESET.format(peer=1)), model_dir=model_dir
-        )
-        self.assertEqual(
-            message,
-            "lost worker 1 (127.0.0.1:1001) of this job; this is worker 0 (127.0.0.1:1000), which "
-            "stops too (TensorFlow: Collective ops is aborted by: recvmsg:Connection reset by "
-            "peer). Relaunch every worker with the same command: it resumes from the last "
-            f"checkpoint, step 2 ({model_dir}/inception/checkpoints/ckpt-2).",
-        )
-
-    def test_a_lost_chief_seen_by_heartbeats(self):
-        error = tf.errors.UnavailableError(None, None, _HEARTBEATS.format(this=1, peer=0))
-        message = self.lost(error, this=1, model_dir="/nonexistent")
-        self.assertStartsWith(
-            message, "lost worker 0 (127.0.0.1:1000) of this job; this is worker 1"
-        )
-        self.assertIn("(stopped sending heartbeats): /job:worker/replica:0/task:0)", message)
-        self.assertEndsWith(message, "--model_dir=/nonexistent yet, so it starts over.")
-
-    def test_an_unnamed_peer_lists_the_job(self):
-        message = self.lost(tf.errors.CancelledError(None, None, "Socket closed"))
-        self.assertStartsWith(
-            message,
-            "lost a worker of this job (worker 0 (127.0.0.1:1000), worker 1 (127.0.0.1:1001); "
-            "TensorFlow does not say which); this is worker 0 (127.0.0.1:1000)",
-        )
-
-    def test_other_errors_and_strategies_pass_through(self):
-        for name, error in [
-            ("multi_worker_mirrored", tf.errors.InternalError(None, None, "a kernel's bug")),
-            ("mirrored", tf.errors.UnavailableError(None, None, "Socket closed")),
-        ]:
-            with self.assertRaises(type(error)):
-                with _distribution(name).reporting_lost_workers("/nonexistent"):
-                    raise error
+        for code, output in _launch(model_dir, train_steps=6):
+            self.assertEqual(code, 0, output[-3000:])
+            self.assertRegex(output, rf"at step {step}\b")
+        for name in ("history.json", "summary.json"):
+            self.assertEqual(
+                run_outputs.read_json(os.path.join(model_dir, name)),
+                run_outputs.read_json(os.path.join(whole, name)),
+                name,
+            )
 
 
 if __name__ == "__main__":

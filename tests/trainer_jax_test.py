@@ -11,9 +11,12 @@ DataParallel and the 2-process job.
 import glob
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from unittest import mock
 
 from absl.testing import absltest
@@ -25,6 +28,7 @@ import tensorflow as tf
 from tests import flag_state
 from tests import mnist_sigmoid_test
 from tests import multi_worker
+from tests import run_outputs
 from tests import tensorboard_events
 from trainers.run import checkpoints
 from trainers.run import errors
@@ -38,6 +42,7 @@ if keras.backend.backend() != "jax":
     )
 
 _TIMEOUT_S = 420
+_LOSS_LIMIT_S = 60  # The survivor ends within this of a process's loss.
 
 
 def setUpModule():
@@ -236,9 +241,9 @@ class InceptionSmokeTest(absltest.TestCase):
             self.assertEqual([s for s, _ in tags[tag]], [1, 2], tag)
 
 
-def _launch_two_processes(model_dir, train_steps):
+def _two_process_args(model_dir, train_steps):
     """The MNIST BN network over 2 processes × 4 host devices, synchronised BN."""
-    args = [
+    return [
         "--norm=batch_norm",
         "--train_subset=640",
         "--batch_size=32",
@@ -251,12 +256,52 @@ def _launch_two_processes(model_dir, train_steps):
         f"--data_dir={mnist_sigmoid_test.SHARED_DATA}",
         f"--model_dir={model_dir}",
     ]
+
+
+def _launch_two_processes(model_dir, train_steps):
+    args = _two_process_args(model_dir, train_steps)
     return multi_worker.run_workers(
         "trainers.mnist_sigmoid",
         [args, args],
         timeout_s=_TIMEOUT_S,
         cluster_env=multi_worker.keras_distribution_env,
     )
+
+
+def _committed_steps(run_dir):
+    directory = os.path.join(run_dir, "checkpoints")
+    return (
+        {int(n) for n in os.listdir(directory) if n.isdigit()}
+        if os.path.isdir(directory)
+        else set()
+    )
+
+
+def _kill_after_a_new_checkpoint(model_dir, victim):
+    """Starts both processes, kills `victim` after a checkpoint newer than the present ones.
+
+    Returns the survivor's exit status, its seconds from the kill to its
+    end, and its output (the watcher's last line included), or None when a
+    process lost its port first.
+    """
+    run_dir = os.path.join(model_dir, "batch_norm")
+    before = _committed_steps(run_dir)
+    args = _two_process_args(model_dir, train_steps=30)
+    env = multi_worker.keras_distribution_env
+    with multi_worker.started_workers(
+        "trainers.mnist_sigmoid", [args, args], cluster_env=env
+    ) as ws:
+        if not multi_worker.wait_for(lambda: _committed_steps(run_dir) - before, ws, _TIMEOUT_S):
+            return None
+        ws[victim].process.kill()
+        killed = time.monotonic()
+        survivor = ws[1 - victim]
+        code = survivor.process.wait(timeout=_LOSS_LIMIT_S)
+        seconds = time.monotonic() - killed
+        # The watcher, a process of its own, may write the last line just after.
+        while time.monotonic() - killed < _LOSS_LIMIT_S and "error: lost" not in survivor.output():
+            time.sleep(0.1)
+        return code, seconds, survivor.output()
 
 
 @pytest.mark.slow
@@ -287,6 +332,83 @@ class MultiProcessTest(absltest.TestCase):
             summary = json.load(f)
         self.assertEqual(summary["runs"]["batch_norm"]["steps"], 4)
         self.assertEqual(summary["config"]["engine"], "jax")
+
+    def test_a_lost_process_ends_the_other_in_one_line_and_relaunch_resumes(self):
+        if not os.path.isdir(os.path.join(mnist_sigmoid_test.SHARED_DATA, "mnist")):
+            self.skipTest("real MNIST not present")
+        model_dir = tempfile.mkdtemp()
+        # Process 1 lost: process 0 sees gloo's reset connection in Python.
+        # Process 0 (the coordinator) lost: JAX's client aborts process 1,
+        # and the watcher says the line.
+        for victim in (1, 0):
+            for _ in range(3):  # Launches retried while a process loses its port.
+                ended = _kill_after_a_new_checkpoint(model_dir, victim)
+                if ended is not None:
+                    break
+            else:
+                self.fail("Every launch lost a port")
+            code, seconds, output = ended
+            self.assertLess(seconds, _LOSS_LIMIT_S)
+            self.assertNotEqual(code, 0, output[-3000:])
+            for dump in ("Traceback", "Check failure", "Fatal Python error"):
+                self.assertNotIn(dump, output)
+            last_line = [line for line in output.splitlines() if line.strip()][-1]
+            coordinator = r" \(the coordinator, 127\.0\.0\.1:\d+\)"
+            error = re.fullmatch(
+                rf"mnist_sigmoid: error: lost process {victim}{coordinator if victim == 0 else ''}"
+                rf" of this job; this is process {1 - victim}\b.* Relaunch every process with the"
+                r" same command: it resumes from the last checkpoint, step (\d+) \(.*\)\.",
+                last_line,
+            )
+            self.assertIsNotNone(error, last_line)
+            self.assertEqual(int(error[1]), max(_committed_steps(f"{model_dir}/batch_norm")))
+
+        for code, output in _launch_two_processes(model_dir, train_steps=30):
+            self.assertEqual(code, 0, output[-3000:])
+            self.assertRegex(output, rf"at step {error[1]}\b")
+        with open(os.path.join(model_dir, "summary.json")) as f:
+            self.assertEqual(json.load(f)["runs"]["batch_norm"]["steps"], 30)
+
+    def test_sigterm_to_one_process_stops_both_at_one_step_and_relaunch_resumes(self):
+        if not os.path.isdir(os.path.join(mnist_sigmoid_test.SHARED_DATA, "mnist")):
+            self.skipTest("real MNIST not present")
+        whole, model_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
+        for code, output in _launch_two_processes(whole, train_steps=12):
+            self.assertEqual(code, 0, output[-3000:])
+        args = _two_process_args(model_dir, train_steps=12)
+        env = multi_worker.keras_distribution_env
+        run_dir = os.path.join(model_dir, "batch_norm")
+        with multi_worker.started_workers(
+            "trainers.mnist_sigmoid", [args, args], cluster_env=env
+        ) as ws:
+            # Training, past its first evaluation (a lost port fails the test: rare).
+            self.assertTrue(
+                multi_worker.wait_for(lambda: _committed_steps(run_dir), ws, _TIMEOUT_S)
+            )
+            ws[1].process.send_signal(signal.SIGTERM)  # A scheduler's notice to one machine.
+            ended = [(w.process.wait(timeout=_LOSS_LIMIT_S), w.output()) for w in ws]
+        steps = set()
+        for code, output in ended:
+            self.assertEqual(code, 143, output[-3000:])  # Both stop, as on a SIGTERM.
+            stopped = re.search(
+                r"stopped at step (\d+) on SIGTERM; checkpoint saved; relaunch the same command",
+                output,
+            )
+            self.assertIsNotNone(stopped, output[-3000:])
+            self.assertNotIn("Traceback", output)
+            steps.add(int(stopped[1]))
+        self.assertLen(steps, 1)  # Agreed: one step, checkpointed once for both.
+        (step,) = steps
+        self.assertLess(step, 12)
+        self.assertIn(step, _committed_steps(run_dir))
+
+        for code, output in _launch_two_processes(model_dir, train_steps=12):
+            self.assertEqual(code, 0, output[-3000:])
+            self.assertRegex(output, rf"at step {step}\b")
+        self.assertEqual(
+            run_outputs.read_json(os.path.join(run_dir, "history.json")),
+            run_outputs.read_json(os.path.join(whole, "batch_norm", "history.json")),
+        )
 
 
 if __name__ == "__main__":

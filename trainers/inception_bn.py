@@ -155,7 +155,7 @@ def config_from_flags():
 
     Raises:
         errors.InputError: for a refused --num_seeds or --lr_sweep
-            combination (`inception_sweep.check_seeds_and_sweep`).
+            combination (`check_seeds_and_sweep`).
     """
     holders = [
         run_flags.MODEL_DIR,
@@ -198,7 +198,7 @@ def config_from_flags():
             inception_flags.DECAY_STEPS,
         )
     }
-    inception_sweep.check_seeds_and_sweep(
+    check_seeds_and_sweep(
         values["variant"],
         values["num_seeds"],
         values["lr_sweep"],
@@ -218,12 +218,62 @@ def config_from_flags():
     return Config(recipe=recipe, **values)
 
 
+def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_variant, engine):
+    """Raises `errors.InputError` for the --num_seeds and --lr_sweep combinations refused.
+
+    --num_seeds > 1 repeats --variant=all only; --lr_sweep trains the
+    inception and bn_baseline recipes as they are (so no other --variant and
+    no recipe override) on TensorFlow, where their LRN layers build. Checked
+    by `config_from_flags` on the values it read, not by flag validators:
+    these flags are shared with mnist_sigmoid, whose values would trip a
+    validator in a process that defines both trainers' flags.
+
+    Args:
+        variant: --variant.
+        num_seeds: --num_seeds.
+        lr_sweep: the --lr_sweep multipliers, or None.
+        overrides: the recipe-overriding flags by name (--learning_rate,
+            --dropout, --weight_decay, --lr_decay_steps), None where unset.
+        default_variant: --variant's default, which a sweep accepts.
+        engine: the Keras backend the run trains on.
+    """
+    if num_seeds > 1 and variant != "all":
+        raise errors.InputError(
+            "--num_seeds > 1 repeats Table 2 in miniature (--variant=all) over seeds; train one "
+            "variant's seeds each with its own --seed and --model_dir. "
+            f"Received: num_seeds={num_seeds}, variant={variant}"
+        )
+    if not lr_sweep:
+        return
+    given = [f"{name}={value}" for name, value in overrides.items() if value is not None]
+    if variant not in (default_variant, "all"):
+        given.insert(0, f"variant={variant}")
+    if given:
+        raise errors.InputError(
+            "--lr_sweep trains the inception and bn_baseline recipes as they are, each at its "
+            "learning rate × each multiplier: drop --variant (or pass --variant=all), "
+            "--learning_rate, --dropout, --weight_decay and --lr_decay_steps. "
+            f"Received: {', '.join(given)}"
+        )
+    if engine != "tensorflow":
+        raise errors.InputError(
+            "--lr_sweep trains inception and bn_baseline, whose local response normalisation "
+            "(tf.nn.local_response_normalization) builds on TensorFlow only: run the sweep "
+            f"under KERAS_BACKEND=tensorflow. Received: engine={engine}"
+        )
+
+
 def main(argv):
     console.quiet_libraries()
     with errors.one_line_errors("inception_bn"):
         if len(argv) > 1:
             raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
         config = config_from_flags()
+    # From the runner on, a lost peer too ends the run in one line.
+    with (
+        errors.one_line_errors("inception_bn"),
+        config.reporting_lost_workers("inception_bn", config.model_dir),
+    ):
         model_dirs.check_model_dir(config.model_dir, TRAINER)
         spec = image_data.dataset_spec(config.dataset, config.data_dir)
         # The strategy comes first: datasets and variables are created under it,
@@ -236,18 +286,13 @@ def main(argv):
         skeleton.check_replicas(config.loop(), runner.num_replicas)
         if runner.is_chief:
             model_dirs.claim_model_dir(config.model_dir, TRAINER)
-    if config.mixed_precision:
-        keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    train = lambda one: train_variant(one, spec, runner)
-    # A lost worker, too, ends the run in one line.
-    with (
-        errors.one_line_errors("inception_bn"),
-        config.reporting_lost_workers(config.model_dir),
-    ):
+        if config.mixed_precision:
+            keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        train = lambda one: train_variant(one, spec, runner)
         if config.lr_sweep:
             inception_sweep.run(config, train, spec.num_classes, writes=runner.is_chief)
         elif config.variant == "all":
-            inception_table2.run(config, train, run_config.flat_values, writes=runner.is_chief)
+            inception_table2.run(config, train, writes=runner.is_chief)
             if runner.is_chief:
                 files = {"summary": "summary.json", "table 2": "table2.md"}
                 console.show([""] + console.result_paths(config.model_dir, files))

@@ -65,7 +65,6 @@ from trainers.mnist import report as mnist_report
 from trainers.mnist import task as mnist_task
 from trainers.reporting import console
 from trainers.reporting import lr_sweep
-from trainers.reporting import tensorboard_writers
 from trainers.run import errors
 from trainers.run import model_dirs
 from trainers.run import run_config
@@ -203,6 +202,11 @@ def main(argv):
         if len(argv) > 1:
             raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
         config = config_from_flags()
+    # From the runner on, a lost peer too ends the run in one line.
+    with (
+        errors.one_line_errors("mnist_sigmoid"),
+        config.reporting_lost_workers("mnist_sigmoid", config.model_dir),
+    ):
         model_dirs.check_model_dir(config.model_dir, TRAINER)
         # The runner comes first: datasets and variables are created under it,
         # and a multi-worker strategy must start before TensorFlow's runtime,
@@ -213,16 +217,11 @@ def main(argv):
         if runner.is_chief:
             model_dirs.claim_model_dir(config.model_dir, TRAINER)
         train, test = mnist_task.load_data(config)
-    # A lost worker, too, ends the run in one line.
-    with (
-        errors.one_line_errors("mnist_sigmoid"),
-        config.reporting_lost_workers(config.model_dir),
-    ):
         root = None
         if runner.is_chief:
-            root = tensorboard_writers.root_writer(config.model_dir)
-            mnist_report.write_dashboards(
-                root, [RUN_NAMES[n] for n in config.networks], run_config.identity_names(Config)
+            networks = [RUN_NAMES[n] for n in config.networks]
+            root = mnist_report.root_writer_with_dashboards(
+                config.model_dir, networks, Config.identity_names()
             )
         if config.lr_sweep:
             run_sweep(config, runner, (train, test), root)

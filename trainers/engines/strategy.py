@@ -7,20 +7,17 @@ loses a worker ends in one line saying which and how to resume
 (`DistributionConfig.reporting_lost_workers`).
 """
 
-import contextlib
 import dataclasses
-import os
-import re
 
 import keras
 
 from trainers.engines import devices
-from trainers.run import errors
+from trainers.engines import lost_peers
 from trainers.run import run_config
 
 
 @dataclasses.dataclass(frozen=True)
-class DistributionConfig:
+class DistributionConfig(run_config.RunConfig):
     """The distribution settings of a run (flags/distribution_flags.py).
 
     The trainers' configs extend it, so every trainer carries and logs them.
@@ -58,105 +55,9 @@ class DistributionConfig:
 
         return tf_runner.DistributeRunner(self.create_strategy(), jit_compile)
 
-    def reporting_lost_workers(self, model_dir):
-        """A context turning the loss of a peer worker into a `WorkerLostError`.
-
-        Wrap everything after the runner's creation in it (steps, evaluations
-        and checkpoint saves all run collectives), inside
-        `errors.one_line_errors`. Outside `multi_worker_mirrored` nothing
-        is turned. `model_dir` is where the chief's checkpoints are found.
-        """
-        if self.distribution_strategy != "multi_worker_mirrored":
-            return contextlib.nullcontext()
-        return _reporting_lost_workers(model_dir)
-
-
-class WorkerLostError(errors.InputError):
-    """A worker of a multi-worker run was lost: one line naming it and how to resume."""
-
-
-@contextlib.contextmanager
-def _reporting_lost_workers(model_dir):
-    import tensorflow as tf
-
-    # What a survivor's collectives raise once a peer has gone: its connection
-    # reset or refused (Unavailable), the coordination service's missed
-    # heartbeats (Unavailable, or the abort as Cancelled/Aborted), a timeout.
-    peer_errors = (
-        tf.errors.UnavailableError,
-        tf.errors.DeadlineExceededError,
-        tf.errors.CancelledError,
-        tf.errors.AbortedError,
-        tf.errors.InternalError,
-    )
-    try:
-        yield
-    except peer_errors as error:
-        # An InternalError is also what a bug raises: only an aborted collective is a loss.
-        if isinstance(error, tf.errors.InternalError) and "collective" not in error.message.lower():
-            raise
-        raise WorkerLostError(_lost_worker_message(error, model_dir)) from error
-
-
-_ABORTED = "Collective ops is aborted"
-
-
-def _lost_worker_message(error, model_dir):
-    """Which task was lost (TensorFlow's error names it, TF_CONFIG its address), how to resume."""
-    import tensorflow as tf
-
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    cluster = resolver.cluster_spec()
-    tasks = [(job, i) for job in cluster.jobs for i in cluster.task_indices(job)]
-    this = (resolver.task_type, resolver.task_id)
-    name = lambda task: f"{task[0]} {task[1]} ({cluster.task_address(*task)})"
-    named = re.findall(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)", error.message)
-    lost = sorted({(job, int(i)) for job, i in named} & set(tasks) - {this})
-    if lost:
-        who = f"lost {', '.join(map(name, lost))} of this job"
-    else:  # Not every error names the peer: list the job rather than guess.
-        job = ", ".join(map(name, tasks))
-        who = f"lost a worker of this job ({job}; TensorFlow does not say which)"
-    # TensorFlow's own words: its collective's abort, where a compiled
-    # function's error buries it under "Graph execution error:", else its
-    # first line (and the next, which a line ending in ":" introduces);
-    # without "{{function_node ...}}" prefixes.
-    lines = [line.strip() for line in re.sub(r"\{\{.*?\}\}", "", error.message).splitlines()]
-    lines = [line for line in lines if line] or ["?"]
-    first = next((i for i, line in enumerate(lines) if line.startswith(_ABORTED)), 0)
-    cause = " ".join(lines[first : first + (2 if lines[first].endswith(":") else 1)])[:200]
-    checkpoint = _last_checkpoint(model_dir)
-    resume = (
-        f"it resumes from the last checkpoint, step {checkpoint[0]} ({checkpoint[1]})"
-        if checkpoint
-        else f"no checkpoint is in --model_dir={model_dir} yet, so it starts over"
-    )
-    return (
-        f"{who}; this is {name(this)}, which stops too (TensorFlow: {cause}). "
-        f"Relaunch every worker with the same command: {resume}."
-    )
-
-
-def _last_checkpoint(model_dir):
-    """`(step, prefix)` of the newest chief checkpoint under `model_dir`, or None.
-
-    The newest by time, not step: `--variant=all` and MNIST's networks and
-    seeds each checkpoint into their own `<run>/checkpoints`.
-    """
-    import tensorflow as tf
-
-    from trainers.run import checkpoints
-
-    found = [
-        (tf.io.gfile.stat(prefix + ".index").mtime_nsec, step, prefix)
-        for directory, _, _ in tf.io.gfile.walk(model_dir)
-        if os.path.basename(directory.rstrip("/")) == "checkpoints"
-        for step, prefix in checkpoints.checkpoint_prefixes(directory)
-    ]
-    if not found:
-        return None
-    _, step, prefix = max(found)
-    return step, prefix
+    def reporting_lost_workers(self, program, model_dir):
+        """A context ending the run in one line if it loses a peer (`lost_peers.reporting`)."""
+        return lost_peers.reporting(self.engine, self.distribution_strategy, program, model_dir)
 
 
 def create_strategy(name, tpu=None, num_cpu_devices=None, num_gpu_devices=None):

@@ -25,14 +25,11 @@ ILSVRC2012_img_val.tar in <data_dir>/downloads/manual/ and run
 """
 
 import dataclasses
-import difflib
 
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from trainers.inception import recipes as inception_recipes
 from trainers.run import data_checks
-from trainers.run import errors
 
 IMAGENET = inception_recipes.PAPER_DATASET
 NUM_CLASSES = 1000  # imagenet2012's; fake data uses it too.
@@ -88,37 +85,13 @@ def dataset_spec(name, data_dir):
 
     Raises:
         errors.MissingDataError: TFDS knows no data set `name`, or it has
-            no `image`/`label` features, no "train" split, or no evaluation split.
+            no `image`/`label` features, no "train" split, or no evaluation
+            split (`data_checks.classification_info`).
     """
     if name == IMAGENET:
         return IMAGENET_SPEC  # Known without building: ImageNet may not be prepared yet.
-    try:
-        info = tfds.builder(name, data_dir=data_dir).info
-    except tfds.core.registered.DatasetNotFoundError:
-        raise errors.MissingDataError(_unknown_dataset(name)) from None
-    features = info.features
-    if "image" not in features or "label" not in features:
-        raise errors.MissingDataError(
-            f"--dataset={name} has no 'image' and 'label' features (it has {list(features)})."
-        )
-    splits = list(info.splits) or ["train", "test"]  # Unprepared: the usual names.
-    eval_split = next((s for s in ("validation", "test") if s in splits), None)
-    if "train" not in splits or eval_split is None:
-        raise errors.MissingDataError(
-            f"--dataset={name} needs a 'train' and a 'validation' or 'test' split; it has {splits}."
-        )
-    return DatasetSpec(name, features["label"].num_classes, eval_split)
-
-
-def _unknown_dataset(name):
-    """What to say about `--dataset=name`, which TFDS does not know: a few close names."""
-    known = tfds.list_builders(with_community_datasets=False)
-    close = difflib.get_close_matches(name.split(":")[0].split("/")[0], known, n=3)
-    closest = f" (closest: {', '.join(close)})" if close else ""
-    return (
-        f"--dataset={name} is not a TFDS data set{closest}. Pass the name of an image "
-        "classification data set from https://www.tensorflow.org/datasets/catalog."
-    )
+    info, eval_split = data_checks.classification_info(name, data_dir)
+    return DatasetSpec(name, info.features["label"].num_classes, eval_split)
 
 
 def _standardize(image):
@@ -210,19 +183,8 @@ def _builder(spec, data_dir):
             not prepared there (the message names --data_dir and
             --use_fake_data).
     """
-    try:
-        builder = tfds.builder(spec.name, data_dir=data_dir)
-        prepared = builder.is_prepared()
-    except (AssertionError, OSError, tfds.core.registered.DatasetNotFoundError):
-        prepared = False
-    if not prepared:
-        how_to_get = (
-            HOW_TO_GET if spec.name == IMAGENET else "Pass --use_fake_data for a smoke run."
-        )
-        raise errors.MissingDataError(
-            f"TFDS {spec.name!r} was not found under --data_dir={data_dir!r}. {how_to_get}"
-        )
-    return builder
+    how_to_get = HOW_TO_GET if spec.name == IMAGENET else "Pass --use_fake_data for a smoke run."
+    return data_checks.prepared_builder(spec.name, data_dir, how_to_get)
 
 
 def make_dataset(

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from flags import run_flags as run_flags
 from trainers.inception import recipes as inception_recipes
+from trainers.reporting import figures
 from trainers.reporting import tensorboard_writers
 from trainers.run import json_files
 
@@ -232,7 +233,7 @@ def plot_figure(runs, references, path):
 
     With several seeds each line is the mean over seeds, with a min–max band.
     """
-    plt = tensorboard_writers.pyplot()
+    plt = figures.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     seeds = max((len(per_seed) for per_seed in runs.values()), default=1)
     for variant, per_seed in runs.items():
@@ -250,7 +251,7 @@ def plot_figure(runs, references, path):
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")  # Early steps: the lines are still low there.
     fig.tight_layout()
-    return tensorboard_writers.save_figure(fig, path)
+    return figures.save_figure(fig, path)
 
 
 def results(evals_by_seed):
@@ -281,7 +282,7 @@ def write_figure(writer, model_dir, evals_by_seed, step):
     references = [t["reference_top1"] for t in map(table2, evals_by_seed.values())]
     references = [r for r in references if r is not None]
     png = plot_figure(runs, references, os.path.join(model_dir, "figure2.png"))
-    tensorboard_writers.write_image(
+    figures.write_image(
         writer,
         "figure2",
         png,
@@ -291,7 +292,7 @@ def write_figure(writer, model_dir, evals_by_seed, step):
     )
 
 
-def run(config, train_variant, config_values, writes=True):
+def run(config, train_variant, writes=True):
     """Trains every variant of an `all` config for each seed with `train_variant(variant_config)`.
 
     All variants of seed `config.seed`, then those of the next seed, … (see
@@ -300,7 +301,6 @@ def run(config, train_variant, config_values, writes=True):
     Args:
         config: the invocation's config (`variant == "all"`).
         train_variant: trains one variant's config and returns its history.
-        config_values: config → flat dict, recorded in summary.json.
         writes: whether this process writes the results (the chief only).
 
     Returns:
@@ -314,7 +314,7 @@ def run(config, train_variant, config_values, writes=True):
     names = variants(config.with_inception_x5)
     seeds = run_flags.seeds(config.seed, config.num_seeds)
     evals_by_seed = {seed: {} for seed in seeds}
-    extra = {"config": config_values(config), "variants": {}}
+    extra = {"config": config.flat_values(), "variants": {}}
     for seed in seeds:
         for variant in names:
             one = variant_config(config, variant, seed)

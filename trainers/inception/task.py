@@ -16,7 +16,6 @@ from trainers.inception import table2 as inception_table2
 from trainers.reporting import tensorboard_writers
 from trainers.run import data_checks
 from trainers.run import json_files
-from trainers.run import run_config
 from trainers.run import skeleton
 
 # With --eval_bn_statistics=precise, in each run: the two statistics' accuracies in one chart.
@@ -192,6 +191,6 @@ def write_summary(config, history):
             "steps_to_target": steps_to_target(evals, config.target_accuracy),
             "diverged": history.get("diverged"),
             "paper": inception_recipes.PAPER_RESULTS[config.variant],
-            "config": run_config.flat_values(config),
+            "config": config.flat_values(),
         },
     )

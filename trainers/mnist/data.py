@@ -5,7 +5,6 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from trainers.run import data_checks
-from trainers.run import errors
 
 HOW_TO_GET = (
     "To get MNIST, omit --data_dir and TFDS downloads it into its default directory (needs "
@@ -53,14 +52,7 @@ def load_mnist(data_dir, split):
         errors.CorruptDataError: when TensorFlow reads a bad record
             (naming the shard).
     """
-    try:
-        dataset = tfds.load("mnist", split=split, data_dir=data_dir, download=data_dir is None)
-    except (AssertionError, OSError, tfds.core.registered.DatasetNotFoundError) as error:
-        raise errors.MissingDataError(
-            f"MNIST (TFDS 'mnist', split {split!r}) was not found under "
-            f"--data_dir={data_dir!r} (None means TFDS's default). {HOW_TO_GET} "
-            f"TFDS said: {error}"
-        ) from error
+    dataset = data_checks.load_split("mnist", split, data_dir, HOW_TO_GET)
     try:
         # Batches of 10k rather than batch_size=-1, which aborts the process
         # (std::length_error) under tfds.testing.mock_data.

@@ -11,12 +11,11 @@ history per seed (see `trainers.mnist_sigmoid`). TensorBoard gets:
 - in each run: its hyperparameters and, when it finishes, its metrics.
 """
 
-import io
-
 import numpy as np
 from tensorboard.plugins.hparams import api as hp
 import tensorflow as tf
 
+from trainers.reporting import figures
 from trainers.reporting import tensorboard_writers
 
 PERCENTILES = (15, 50, 85)
@@ -44,8 +43,12 @@ def percentile_tag(network, q):
     return f"sigmoid_input/{network}/p{q}"
 
 
-def write_dashboards(writer, networks, hparams):
-    """The custom-scalars layout and the HParams experiment (`hparams`: names), at the root."""
+def root_writer_with_dashboards(model_dir, networks, hparams):
+    """The model_dir root's writer, its custom-scalars layout and HParams experiment written.
+
+    `hparams` names the runs' identity settings.
+    """
+    writer = tensorboard_writers.root_writer(model_dir)
     charts = {"test accuracy, both networks": [r"^eval/test_accuracy$"]}
     charts.update(
         {
@@ -60,6 +63,7 @@ def write_dashboards(writer, networks, hparams):
             metrics=[hp.Metric(f"hparams/{name}", description=d) for name, d in METRICS.items()],
         )
     writer.flush()
+    return writer
 
 
 def write_run_hparams(writer, identity, trial_id):
@@ -130,11 +134,7 @@ def plot_figure(runs, path):
     Each line is the mean over seeds, with a min–max band when there are
     several. Returns the PNG bytes (also written to `path`).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     names = list(runs)
     fig, axes = plt.subplots(1, 1 + len(names), figsize=(5 * (1 + len(names)), 4))
 
@@ -159,22 +159,9 @@ def plot_figure(runs, path):
         ax.set(title=f"({letter}) sigmoid input, {name}", xlabel="step")
         ax.legend()
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    png = buffer.getvalue()
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(png)
-    return png
+    return figures.save_figure(fig, path)
 
 
 def write_figure(writer, png, step):
-    with writer.as_default(step=step):
-        tf.summary.image(
-            "figure1",
-            tf.io.decode_png(png)[None],
-            description=(
-                "Paper Figure 1: test accuracy and sigmoid-input percentiles of both networks."
-            ),
-        )
-    writer.flush()
+    description = "Paper Figure 1: test accuracy and sigmoid-input percentiles of both networks."
+    figures.write_image(writer, "figure1", png, step, description)

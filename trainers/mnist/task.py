@@ -19,7 +19,6 @@ from trainers.reporting import console
 from trainers.reporting import tensorboard_writers
 from trainers.run import data_checks
 from trainers.run import json_files
-from trainers.run import run_config
 from trainers.run import skeleton
 
 RUN_NAMES = mnist_model.RUN_NAMES
@@ -72,7 +71,7 @@ class MnistRun(skeleton.Task):
 
     def write_start(self, writer):
         trial = os.path.relpath(self.config.run_dir(self.norm, self.seed), self.config.model_dir)
-        mnist_report.write_run_hparams(writer, run_config.identity(self.config), trial)
+        mnist_report.write_run_hparams(writer, self.config.identity(), trial)
         if self.config.eval_bn_statistics == "precise":
             tensorboard_writers.write_custom_scalars(
                 writer, "Precise BN statistics", PRECISE_CHARTS
@@ -154,7 +153,7 @@ def write_results(config, runs, root):
     mnist_report.write_figure(root, png, step=config.train_steps)
     summary = {
         "runs": mnist_report.summarize(runs, config.seeds),
-        "config": run_config.flat_values(config),
+        "config": config.flat_values(),
     }
     json_files.write_json(os.path.join(config.model_dir, "summary.json"), summary)
     num_seeds = len(config.seeds)

@@ -25,7 +25,7 @@ import dataclasses
 import math
 import os
 
-from trainers.reporting import tensorboard_writers
+from trainers.reporting import figures
 from trainers.run import json_files
 
 
@@ -151,7 +151,7 @@ def markdown(summary, divergence_loss):
 
 def plot_figure(summary, path):
     """Final accuracy against learning rate (log x), one line per network; returns the PNG."""
-    plt = tensorboard_writers.pyplot()
+    plt = figures.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for network, entry in summary.items():
         runs = sorted(entry["runs"].values(), key=lambda p: p["learning_rate"])
@@ -172,7 +172,7 @@ def plot_figure(summary, path):
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
-    return tensorboard_writers.save_figure(fig, path)
+    return figures.save_figure(fig, path)
 
 
 def write_results(sweep, points):
@@ -225,7 +225,7 @@ def run(sweep, train_one, writer):
                 png = write_results(sweep, points)
     if png is not None:
         steps = max(p["steps"] for runs in points.values() for p in runs.values())
-        tensorboard_writers.write_image(
+        figures.write_image(
             writer,
             "lr_sweep",
             png,

@@ -1,14 +1,12 @@
-"""Where the trainers write TensorBoard: run configs, root writers, layouts, figures, BN health.
+"""Where the trainers write TensorBoard: run configs, root writers, layouts, BN health.
 
 Each run's own scalars go through its task's `write_summaries` into the
 run's writer (`trainers.run.run_state`); what is shared lives here: the
 "config" text of a run, the writer of a model_dir's root (its layouts and
 figures, rewritten each launch), custom-scalars layouts (one chart per
 entry, with every run under the root that logs a matching tag as its own
-line), PNG figures as images, and the BN layers' health monitor.
+line) and the BN layers' health monitor. Figures: `trainers.reporting.figures`.
 """
-
-import io
 
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
@@ -16,16 +14,6 @@ import tensorflow as tf
 
 import keras_bn
 from trainers.run import event_files
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def write_custom_scalars(writer, category, charts):
@@ -47,24 +35,6 @@ def write_custom_scalars(writer, category, charts):
         tf.summary.experimental.write_raw_pb(
             custom_scalar_summary.pb(layout).SerializeToString(), step=0
         )
-    writer.flush()
-
-
-def save_figure(fig, path, dpi=100):
-    """Writes `fig` as a PNG to `path` (any tf.io.gfile path), closes it, returns the bytes."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
-    pyplot().close(fig)
-    png = buffer.getvalue()
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(png)
-    return png
-
-
-def write_image(writer, tag, png, step, description):
-    """Logs PNG bytes as the TensorBoard image `tag` at `step`."""
-    with writer.as_default(step=step):
-        tf.summary.image(tag, tf.io.decode_png(png)[None], description=description)
     writer.flush()
 
 

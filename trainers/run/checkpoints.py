@@ -8,13 +8,9 @@ through `restore_newest_readable`, the one loop that passes over damaged
 checkpoints.
 """
 
-import contextlib
-import logging as std_logging
 import os
 import shutil
-import sys
 import tempfile
-import threading
 
 from absl import logging
 import tensorflow as tf
@@ -203,7 +199,7 @@ class OrbaxCheckpointer:
         root = run_dir if local is None else os.path.abspath(local)
         self._dir = os.path.join(root, "checkpoints")
         self._variables = {"model": model.variables, "optimizer": optimizer.variables}
-        _quiet_disk_full_in_threads()
+        errors.quiet_disk_full_in_threads()
         self._manager = ocp.CheckpointManager(
             self._dir,
             # Registered up front: a fresh manager reads no step's metadata without it.
@@ -297,97 +293,10 @@ class OrbaxCheckpointer:
         if step in self._manager.all_steps():  # An unreadable one passed over by `restore`.
             self._manager.delete(step)
         # force: orbax's own save policy would skip a step silently.
-        with _stderr_without_disk_full():
+        with errors.without_disk_full_noise():
             self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
             self._manager.wait_until_finished()
 
     def close(self):
         """Waits for orbax's background work (deletions) and releases it."""
         self._manager.close()
-
-
-@contextlib.contextmanager
-def _stderr_without_disk_full():
-    """Passes what is written to file descriptor 2 (by Python or C threads) on, live, but
-    for the tracebacks and lines of a full disk (`_NotTheDiskFull.MARKS`).
-
-    Orbax's writer threads print dozens of them (some from C, past Python's
-    hooks); the save's own error says it in one line (`errors.one_line_errors`).
-    """
-    sys.stderr.flush()
-    original = os.dup(2)
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, 2)
-    os.close(write_end)
-    forwarder = threading.Thread(target=_forward, args=(read_end, original), daemon=True)
-    forwarder.start()
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(original, 2)  # Closes the pipe's last write end: the forwarder sees its end.
-        forwarder.join(timeout=10)
-        os.close(original)
-
-
-def _forward(read_end, out):
-    """Copies lines from `read_end` to `out`; a traceback goes whole, or not at all."""
-    marks = [mark.encode() for mark in _NotTheDiskFull.MARKS]
-    block = []  # The traceback being read, decided at its last line (the exception's).
-    with os.fdopen(read_end, "rb") as lines:
-        for line in lines:
-            if block or line.startswith(b"Traceback (most recent call last):"):
-                block.append(line)
-                ends = line.strip() and not line[:1].isspace() and not line.startswith(b"Traceback")
-                if ends:
-                    if not any(mark in line for mark in marks):
-                        _write_all(out, b"".join(block))
-                    block = []
-            elif not any(mark in line for mark in marks):
-                _write_all(out, line)
-        _write_all(out, b"".join(block))
-
-
-def _write_all(fd, data):
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-class _NotTheDiskFull(std_logging.Filter):
-    """Drops the records and thread tracebacks orbax's threads leave after a full disk."""
-
-    # Each thread's own failure, and its callbacks into event loops closed by then.
-    MARKS = ("No space left on device", "Event loop is closed")
-
-    def filter(self, record):
-        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
-        return not any(mark in text for mark in self.MARKS)
-
-
-def _quiet_disk_full_in_threads():
-    """Keeps what orbax's writer threads print on a full disk off the console (once per process).
-
-    Each of its threads logs or raises the same `No space left on device`
-    (and, once its event loop is closed, `Event loop is closed`): dozens of
-    tracebacks burying the one line that says it, which the save's own error
-    becomes (`errors.one_line_errors`). Records without those marks pass.
-    """
-    if isinstance(threading.excepthook, _QuietExcepthook):
-        return
-    quiet = _NotTheDiskFull()
-    for handler in (logging.get_absl_handler(), *std_logging.getLogger().handlers):
-        handler.addFilter(quiet)
-    std_logging.getLogger("asyncio").addFilter(quiet)
-    threading.excepthook = _QuietExcepthook(threading.excepthook)
-
-
-class _QuietExcepthook:
-    """A `threading.excepthook` or `sys.excepthook` passing on all but `_NotTheDiskFull.MARKS`."""
-
-    def __init__(self, hook):
-        self._hook = hook
-
-    def __call__(self, *args):
-        value = args[0].exc_value if len(args) == 1 else args[1]  # threading's or sys's.
-        if not any(mark in str(value) for mark in _NotTheDiskFull.MARKS):
-            self._hook(*args)

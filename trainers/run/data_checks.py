@@ -4,9 +4,13 @@
 built: its version directory, the shard files TFDS's own `DatasetInfo` lists
 (`tfds.builder_from_directory`), and as far as is cheap their TFRecord
 framing and checksums (TFDS checks no shard before reading it). What it
-cannot see, a corrupt record met in training, `one_line_errors` names through `name_corrupt_file`.
+cannot see, a corrupt record met in training, `one_line_errors` names
+through `name_corrupt_file`. The trainers get TFDS builders, splits and
+infos through here too (`prepared_builder`, `load_split`,
+`classification_info`), so a missing or unsuitable data set is one line.
 """
 
+import difflib
 import os
 import re
 import struct
@@ -90,11 +94,7 @@ def split_sizes(data_dir, name):
 
     Empty when there is no readable local copy (a remote `data_dir` included).
     """
-    version_dir = None if is_remote(data_dir or "") else prepared_version_dir(data_dir, name)
-    try:
-        info = _dataset_info(version_dir) if version_dir else None
-    except _UNREADABLE_INFO:
-        info = None
+    info = _local_info(data_dir, name)
     return {split.name: split.num_examples for split in info.splits.values()} if info else {}
 
 
@@ -106,11 +106,7 @@ def fingerprint(data_dir, name):
     and other data under the same name, or a cut copy, differs in them. None
     when there is no readable local copy (a remote `data_dir`, mock data).
     """
-    version_dir = None if is_remote(data_dir or "") else prepared_version_dir(data_dir, name)
-    try:
-        info = _dataset_info(version_dir) if version_dir else None
-    except _UNREADABLE_INFO:
-        info = None
+    info = _local_info(data_dir, name)
     if info is None:
         return None
     return {
@@ -124,6 +120,79 @@ def fingerprint(data_dir, name):
             for split in info.splits.values()
         },
     }
+
+
+def _local_info(data_dir, name):
+    """TFDS's info of the newest local copy of `name`, or None (none readable, or remote)."""
+    version_dir = None if is_remote(data_dir or "") else prepared_version_dir(data_dir, name)
+    try:
+        return _dataset_info(version_dir) if version_dir else None
+    except _UNREADABLE_INFO:
+        return None
+
+
+def prepared_builder(name, data_dir, how_to_get):
+    """The TFDS builder of `name` prepared under `data_dir`; else a `MissingDataError`."""
+    import tensorflow_datasets as tfds
+
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+        prepared = builder.is_prepared()
+    except (AssertionError, OSError, tfds.core.registered.DatasetNotFoundError):
+        prepared = False
+    if not prepared:
+        raise MissingDataError(
+            f"TFDS {name!r} was not found under --data_dir={data_dir!r}. {how_to_get}"
+        )
+    return builder
+
+
+def load_split(name, split, data_dir, how_to_get):
+    """`tfds.load` of `split` of `name` (downloading only into TFDS's default directory).
+
+    A missing data set raises `MissingDataError` with `how_to_get` and TFDS's words.
+    """
+    import tensorflow_datasets as tfds
+
+    try:
+        return tfds.load(name, split=split, data_dir=data_dir, download=data_dir is None)
+    except (AssertionError, OSError, tfds.core.registered.DatasetNotFoundError) as error:
+        raise MissingDataError(
+            f"TFDS {name!r} (split {split!r}) was not found under --data_dir={data_dir!r} "
+            f"(None means TFDS's default). {how_to_get} TFDS said: {error}"
+        ) from error
+
+
+def classification_info(name, data_dir):
+    """`(info, eval_split)` of image classification data set `name` (never downloaded).
+
+    Raises `MissingDataError` if TFDS knows no `name` (naming close ones), or it
+    has no `image`/`label` features, no "train" or no "validation"/"test" split.
+    """
+    import tensorflow_datasets as tfds
+
+    try:
+        info = tfds.builder(name, data_dir=data_dir).info
+    except tfds.core.registered.DatasetNotFoundError:
+        known = tfds.list_builders(with_community_datasets=False)
+        close = difflib.get_close_matches(name.split(":")[0].split("/")[0], known, n=3)
+        closest = f" (closest: {', '.join(close)})" if close else ""
+        raise MissingDataError(
+            f"--dataset={name} is not a TFDS data set{closest}. Pass the name of an image "
+            "classification data set from https://www.tensorflow.org/datasets/catalog."
+        ) from None
+    features = info.features
+    if "image" not in features or "label" not in features:
+        raise MissingDataError(
+            f"--dataset={name} has no 'image' and 'label' features (it has {list(features)})."
+        )
+    splits = list(info.splits) or ["train", "test"]  # Unprepared: the usual names.
+    eval_split = next((s for s in ("validation", "test") if s in splits), None)
+    if "train" not in splits or eval_split is None:
+        raise MissingDataError(
+            f"--dataset={name} needs a 'train' and a 'validation' or 'test' split; it has {splits}."
+        )
+    return info, eval_split
 
 
 def check_batch_size(batch_size, num_examples, examples):

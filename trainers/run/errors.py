@@ -4,13 +4,22 @@ Bad flags, --model_dir or data raise an `InputError` (or a subclass); a
 trainer's `main` runs inside `one_line_errors`, which ends the process with
 one line on stderr instead of a traceback. So do a corrupt record met while
 training (named by `data_checks`), a run that diverged, a run stopped on
-SIGTERM or SIGINT (`preemption`) and a Ctrl-C after a stop was asked.
+SIGTERM or SIGINT (`preemption`), a Ctrl-C after a stop was asked, and a
+full disk (`disk_full`), whose dozens of tracebacks from orbax's writer
+threads are kept off the console (`without_disk_full_noise`,
+`quiet_disk_full_in_threads`) so that the line stands alone.
 """
 
 import contextlib
 import errno
+import logging as std_logging
+import os
 import re
 import sys
+import threading
+import time
+
+from absl import logging
 
 from trainers.reporting import console
 from trainers.run import preemption
@@ -109,3 +118,104 @@ def one_line(message, limit=None):
     if limit is not None and len(text) > limit:
         return text[:limit] + "..."
     return text
+
+
+@contextlib.contextmanager
+def without_disk_full_noise():
+    """Passes what is written to file descriptor 2 (by Python or C threads) on, but for the
+    lines of a full disk (`_NotTheDiskFull.MARKS`) and, if the save fails on one, its tracebacks.
+
+    Orbax's writer threads print dozens of them (some from C, past Python's
+    hooks), several threads at once, so their lines interleave; the save's
+    own error says it in one line (`one_line_errors`). Lines pass on
+    live until a traceback starts; from there on they are held until the
+    save ends, then dropped if it failed on a full disk, else passed on.
+    """
+    sys.stderr.flush()
+    original = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    held = []
+    last_line = [time.monotonic()]  # When the forwarder last read a line.
+    forwarder = threading.Thread(
+        target=_forward, args=(read_end, original, held, last_line), daemon=True
+    )
+    forwarder.start()
+    full = False
+    try:
+        yield
+    except BaseException as error:
+        full = disk_full(error) is not None
+        raise
+    finally:
+        sys.stderr.flush()
+        # After a full disk orbax's threads go on printing for a moment (their
+        # callbacks into closed event loops): wait until they have been quiet.
+        give_up = time.monotonic() + 3
+        while full and time.monotonic() - last_line[0] < 0.5 < give_up - time.monotonic():
+            time.sleep(0.05)
+        os.dup2(original, 2)  # Closes the pipe's last write end: the forwarder sees its end.
+        forwarder.join(timeout=10)
+        if not full:
+            _write_all(original, b"".join(held))
+        os.close(original)
+
+
+def _forward(read_end, out, held, last_line):
+    """Copies lines from `read_end` to `out` until a traceback starts, then into `held`."""
+    marks = [mark.encode() for mark in _NotTheDiskFull.MARKS]
+    with os.fdopen(read_end, "rb") as lines:
+        for line in lines:
+            last_line[0] = time.monotonic()
+            if any(mark in line for mark in marks):
+                continue
+            if held or line.startswith(b"Traceback (most recent call last):"):
+                held.append(line)
+            else:
+                _write_all(out, line)
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+class _NotTheDiskFull(std_logging.Filter):
+    """Drops the records and thread tracebacks orbax's threads leave after a full disk."""
+
+    # Each thread's own failure, and its callbacks into event loops closed by then.
+    MARKS = ("No space left on device", "Event loop is closed")
+
+    def filter(self, record):
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not any(mark in text for mark in self.MARKS)
+
+
+def quiet_disk_full_in_threads():
+    """Keeps what orbax's writer threads print on a full disk off the console (once per process).
+
+    Each of its threads logs or raises the same `No space left on device`
+    (and, once its event loop is closed, `Event loop is closed`): dozens of
+    tracebacks burying the one line that says it, which the save's own error
+    becomes (`one_line_errors`). Records without those marks pass.
+    """
+    if isinstance(threading.excepthook, _QuietExcepthook):
+        return
+    quiet = _NotTheDiskFull()
+    for handler in (logging.get_absl_handler(), *std_logging.getLogger().handlers):
+        handler.addFilter(quiet)
+    std_logging.getLogger("asyncio").addFilter(quiet)
+    threading.excepthook = _QuietExcepthook(threading.excepthook)
+
+
+class _QuietExcepthook:
+    """A `threading.excepthook` or `sys.excepthook` passing on all but `_NotTheDiskFull.MARKS`."""
+
+    def __init__(self, hook):
+        self._hook = hook
+
+    def __call__(self, *args):
+        value = args[0].exc_value if len(args) == 1 else args[1]  # threading's or sys's.
+        if not any(mark in str(value) for mark in _NotTheDiskFull.MARKS):
+            self._hook(*args)

@@ -2,10 +2,10 @@
 
 Every other form is derived from it field by field, so none restates its
 field list: the loop's settings (`skeleton.LoopConfig.of`), a run's
-identity (`identity`: the fields declared with `identity_field`, the
-settings that shape the trajectory, which a resumed run must share with its
-checkpoint and which HParams logs), and the values logged whole
-(`flat_values`: TensorBoard's "config" text, `summary.json`).
+identity (`RunConfig.identity`: the fields declared with `identity_field`,
+the settings that shape the trajectory, which a resumed run must share with
+its checkpoint and which HParams logs), and the values logged whole
+(`RunConfig.flat_values`: TensorBoard's "config" text, `summary.json`).
 """
 
 import dataclasses
@@ -32,42 +32,49 @@ def changeable_field(**kwargs):
     return dataclasses.field(metadata={_CHANGEABLE: True}, **kwargs)
 
 
-def changeable_keys(config):
-    """The keys of `identity(config)` that a resumed run may change (see `identity_field`)."""
-    keys = set()
-    for field in dataclasses.fields(config):
-        if not field.metadata.get(_IDENTITY):
-            continue
-        value = getattr(config, field.name)
-        if field.metadata.get(_CHANGEABLE):
-            keys.add(field.name)
-        if dataclasses.is_dataclass(value):
-            keys |= {
-                f"{field.name}.{sub.name}"
-                for sub in dataclasses.fields(value)
-                if sub.metadata.get(_CHANGEABLE)
-            }
-    return keys
+class RunConfig:
+    """The derived forms of a trainer's frozen dataclass config, which extends this.
 
+    The fields declared with `identity_field` are the run's identity; the
+    values logged whole are all fields, flat.
+    """
 
-def identity_names(config_class):
-    """The names of `config_class`'s identity fields, in declaration order."""
-    return [f.name for f in dataclasses.fields(config_class) if f.metadata.get(_IDENTITY)]
+    @classmethod
+    def identity_names(cls):
+        """The names of the identity fields, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get(_IDENTITY)]
 
+    def identity(self):
+        """The identity fields' values, flat (see `flat_values`)."""
+        names = self.identity_names()
+        return {k: v for k, v in self.flat_values().items() if k.split(".")[0] in names}
 
-def identity(config):
-    """The identity fields' values of `config`, flat (see `flat_values`)."""
-    names = identity_names(type(config))
-    return {key: value for key, value in flat_values(config).items() if key.split(".")[0] in names}
+    def changeable_keys(self):
+        """The keys of `identity()` that a resumed run may change (see `identity_field`)."""
+        keys = set()
+        for field in dataclasses.fields(self):
+            if not field.metadata.get(_IDENTITY):
+                continue
+            value = getattr(self, field.name)
+            if field.metadata.get(_CHANGEABLE):
+                keys.add(field.name)
+            if dataclasses.is_dataclass(value):
+                keys |= {
+                    f"{field.name}.{sub.name}"
+                    for sub in dataclasses.fields(value)
+                    if sub.metadata.get(_CHANGEABLE)
+                }
+        return keys
 
-
-def flat_values(config):
-    """`config`'s fields by name; a field holding a dataclass gives "field.sub" keys instead."""
-    values = {}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if dataclasses.is_dataclass(value):
-            values.update({f"{field.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
-        else:
-            values[field.name] = value
-    return values
+    def flat_values(self):
+        """The fields by name; a field holding a dataclass gives "field.sub" keys instead."""
+        values = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if dataclasses.is_dataclass(value):
+                values.update(
+                    {f"{field.name}.{k}": v for k, v in dataclasses.asdict(value).items()}
+                )
+            else:
+                values[field.name] = value
+        return values

@@ -31,7 +31,6 @@ from trainers.run import divergence
 from trainers.run import errors
 from trainers.run import evaluation
 from trainers.run import preemption
-from trainers.run import run_config
 from trainers.run import run_state
 
 
@@ -51,7 +50,7 @@ class LoopConfig:
         max_to_keep: checkpoints kept.
         sync_group_size: replicas per synchronised-BN group, or None.
         allow_config_change: resume a run whose recorded identity
-            (`run_config.identity` of `Task.config`, and `Task.data_identity`)
+            (`Task.config.identity()`, and `Task.data_identity`)
             differs in settings that can change, applying and recording them.
         deterministic: make the engine's ops deterministic
             (`runner.make_deterministic`), so a run and its resumption after
@@ -100,7 +99,7 @@ class Task:
 
     Attributes:
         config: the run's config (a trainer's frozen dataclass), logged whole
-            for a fresh run; its identity fields (`run_config.identity`) are
+            for a fresh run; its identity fields (`RunConfig.identity`) are
             what a resumed run must share with its checkpoint.
 
     The skeleton calls, in order: `build` (under the engine's scope),
@@ -199,7 +198,7 @@ def train_and_evaluate(task, loop, runner):
     model, optimizer = runner.build(task.build)
     task.prepare_evaluation(model, runner)
     checkpointer = runner.checkpointer(loop.run_dir, loop.max_to_keep, model, optimizer)
-    identity = run_config.identity(task.config)
+    identity = task.config.identity()
     data = task.data_identity()
     if data is not None:
         identity["data"] = data
@@ -207,12 +206,12 @@ def train_and_evaluate(task, loop, runner):
     with run_state.RunState(
         loop.run_dir,
         checkpointer,
-        run_config.flat_values(task.config),
+        task.config.flat_values(),
         identity,
         loop.train_steps,
         is_chief=runner.is_chief,
         allow_config_change=loop.allow_config_change,
-        changeable=run_config.changeable_keys(task.config) | {"data"},
+        changeable=task.config.changeable_keys() | {"data"},
     ) as run:
         if isinstance(learning_rate, float):
             # The config's rate, not the checkpoint's: a changed rate takes effect.

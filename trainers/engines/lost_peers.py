@@ -1,0 +1,311 @@
+"""What a multi-process run does when it loses a peer: it ends in one line.
+
+The line names the peer that was lost (where the engine says which), this
+process, the engine's own words, and the relaunch that resumes: "Relaunch
+every worker with the same command: it resumes from the last checkpoint,
+step S (path)". `reporting` gives the context a trainer's `main` runs in.
+
+- A `tf.distribute.MultiWorkerMirroredStrategy` worker sees the loss as a
+  TensorFlow error from its next collective.
+- A process of a multi-process JAX job (`keras.distribution.initialize`)
+  sees it as a `JaxRuntimeError` from its next cross-process collective
+  (gloo's connection reset), or not at all: JAX's distributed client ends
+  the process from a C++ thread (a `LOG(FATAL)` dump, then an abort) once
+  the coordination service is gone or reports a lost process. So on JAX
+  file descriptor 2 goes through a watcher process (this module run as a
+  program) that passes every line on and, should the process abort so,
+  prints the one line instead of the dump. The Python-visible error ends
+  the process at once (`_StderrWatcher.end_process`): JAX's exit would
+  wait at its shutdown barrier for the lost peer, then abort.
+"""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from trainers.run import errors
+
+_JOB_ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+_PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
+# The line JAX's client prints before it aborts the process, from C++.
+_JAX_FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
+# What a cross-process collective or the coordination service says of a gone peer.
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Broken pipe",
+    "heartbeat",
+    "Failed to send RPC to coordination service",
+)
+# JAX's note just before that line, which says no more than the line.
+_FATAL_NOTE = b"Polled an error from coordination service"
+
+
+def reporting(engine, distribution_strategy, program, model_dir):
+    """The context that ends a multi-process run that lost a peer in one line.
+
+    Wrap everything from the runner's creation on (steps, evaluations and
+    checkpoint saves all run collectives), inside `errors.one_line_errors`.
+    Outside a multi-worker TensorFlow run or a multi-process JAX job nothing
+    is turned. `program` starts the line the watcher prints; `model_dir` is
+    where the last checkpoint is found.
+    """
+    if engine == "jax" and int(os.environ.get(_NUM_PROCESSES, "1")) > 1:
+        return _reporting_lost_processes(program, model_dir)
+    if distribution_strategy == "multi_worker_mirrored":
+        return _reporting_lost_workers(model_dir)
+    return contextlib.nullcontext()
+
+
+class WorkerLostError(errors.InputError):
+    """A worker of a multi-worker TensorFlow run was lost: one line naming it, how to resume."""
+
+
+@contextlib.contextmanager
+def _reporting_lost_workers(model_dir):
+    import tensorflow as tf
+
+    # What a survivor's collectives raise once a peer has gone: its connection
+    # reset or refused (Unavailable), the coordination service's missed
+    # heartbeats (Unavailable, or the abort as Cancelled/Aborted), a timeout.
+    peer_errors = (
+        tf.errors.UnavailableError,
+        tf.errors.DeadlineExceededError,
+        tf.errors.CancelledError,
+        tf.errors.AbortedError,
+        tf.errors.InternalError,
+    )
+    try:
+        yield
+    except peer_errors as error:
+        # An InternalError is also what a bug raises: only an aborted collective is a loss.
+        if isinstance(error, tf.errors.InternalError) and "collective" not in error.message.lower():
+            raise
+        raise WorkerLostError(_lost_worker_message(error, model_dir)) from error
+
+
+_ABORTED = "Collective ops is aborted"
+
+
+def _lost_worker_message(error, model_dir):
+    """Which task was lost (TensorFlow's error names it, TF_CONFIG its address), how to resume."""
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    cluster = resolver.cluster_spec()
+    tasks = [(job, i) for job in cluster.jobs for i in cluster.task_indices(job)]
+    this = (resolver.task_type, resolver.task_id)
+    name = lambda task: f"{task[0]} {task[1]} ({cluster.task_address(*task)})"
+    named = re.findall(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)", error.message)
+    lost = sorted({(job, int(i)) for job, i in named} & set(tasks) - {this})
+    if lost:
+        who = f"lost {', '.join(map(name, lost))} of this job"
+    else:  # Not every error names the peer: list the job rather than guess.
+        job = ", ".join(map(name, tasks))
+        who = f"lost a worker of this job ({job}; TensorFlow does not say which)"
+    # TensorFlow's own words: its collective's abort, where a compiled
+    # function's error buries it under "Graph execution error:", else its
+    # first line (and the next, which a line ending in ":" introduces);
+    # without "{{function_node ...}}" prefixes.
+    lines = [line.strip() for line in re.sub(r"\{\{.*?\}\}", "", error.message).splitlines()]
+    lines = [line for line in lines if line] or ["?"]
+    first = next((i for i, line in enumerate(lines) if line.startswith(_ABORTED)), 0)
+    cause = " ".join(lines[first : first + (2 if lines[first].endswith(":") else 1)])[:200]
+    checkpoint = _last_checkpoint(model_dir)
+    resume = (
+        f"it resumes from the last checkpoint, step {checkpoint[0]} ({checkpoint[1]})"
+        if checkpoint
+        else f"no checkpoint is in --model_dir={model_dir} yet, so it starts over"
+    )
+    return (
+        f"{who}; this is {name(this)}, which stops too (TensorFlow: {cause}). "
+        f"Relaunch every worker with the same command: {resume}."
+    )
+
+
+def _last_checkpoint(model_dir):
+    """`(step, prefix)` of the newest chief checkpoint under `model_dir`, or None.
+
+    The newest by time, not step: `--variant=all` and MNIST's networks and
+    seeds each checkpoint into their own `<run>/checkpoints`.
+    """
+    import tensorflow as tf
+
+    from trainers.run import checkpoints
+
+    found = [
+        (tf.io.gfile.stat(prefix + ".index").mtime_nsec, step, prefix)
+        for directory, _, _ in tf.io.gfile.walk(model_dir)
+        if os.path.basename(directory.rstrip("/")) == "checkpoints"
+        for step, prefix in checkpoints.checkpoint_prefixes(directory)
+    ]
+    if not found:
+        return None
+    _, step, prefix = max(found)
+    return step, prefix
+
+
+@contextlib.contextmanager
+def _reporting_lost_processes(program, model_dir):
+    import jax
+
+    job = _JaxJob.from_environment()
+    watcher = _StderrWatcher(program, model_dir, job)
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if not any(mark in str(error) for mark in _PEER_GONE):
+            raise
+        watcher.end_process(f"{program}: error: {job.lost_message(str(error), model_dir)}")
+    finally:
+        watcher.close()
+
+
+class _JaxJob:
+    """This process's place in a multi-process JAX job (Keras' environment variables)."""
+
+    def __init__(self, this, processes, coordinator):
+        self.this = this
+        self.processes = processes
+        self.coordinator = coordinator
+
+    @classmethod
+    def from_environment(cls):
+        # Without the id, JAX found the job itself (a TPU pod, SLURM): -1 for unknown.
+        this = int(os.environ.get(_PROCESS_ID, "-1"))
+        addresses = os.environ.get(_JOB_ADDRESSES, "?").split(",")
+        return cls(this, int(os.environ[_NUM_PROCESSES]), addresses[0])
+
+    def name(self, process):
+        if process == 0:
+            return f"process 0 (the coordinator, {self.coordinator})"
+        return f"process {process}" if process >= 0 else "a process"
+
+    def lost_message(self, text, model_dir):
+        """The one line for JAX's `text` (an error or its fatal dump) in this process."""
+        if "Failed to send RPC to coordination service" in text:
+            lost = [0]  # Only the coordinator's own process holds the service.
+        else:
+            named = re.findall(r"Task (\d+) heartbeat timeout", text)
+            lost = sorted({int(n) for n in named} - {self.this})
+        if not lost and self.processes == 2 and self.this >= 0:
+            lost = [1 - self.this]
+        if lost:
+            who = f"lost {', '.join(map(self.name, lost))} of this job"
+        else:
+            who = (
+                f"lost a process of this job ({self.processes} processes, coordinator "
+                f"{self.coordinator}; JAX does not say which)"
+            )
+        # JAX's first sentence: its status code and what failed.
+        status = " ".join(text.split("absl::Status: ", 1)[-1].split())
+        cause = status.split(". ", 1)[0][:200]
+        checkpoint = _last_orbax_checkpoint(model_dir)
+        resume = (
+            f"it resumes from the last checkpoint, step {checkpoint[0]} ({checkpoint[1]})"
+            if checkpoint
+            else f"no checkpoint is in --model_dir={model_dir} yet, so it starts over"
+        )
+        return (
+            f"{who}; this is {self.name(self.this)}, which stops too (JAX: {cause}). "
+            f"Relaunch every process with the same command: {resume}."
+        )
+
+
+def _last_orbax_checkpoint(model_dir):
+    """`(step, path)` of the newest committed orbax step under `model_dir`, or None.
+
+    Newest by time, as `_last_checkpoint`; orbax commits a step by renaming
+    its temporary directory to the bare step number.
+    """
+    found = [
+        (os.stat(os.path.join(directory, name)).st_mtime_ns, int(name), directory)
+        for directory, names, _ in os.walk(model_dir)
+        if os.path.basename(directory) == "checkpoints"
+        for name in names
+        if name.isdigit()
+    ]
+    if not found:
+        return None
+    _, step, directory = max(found)
+    return step, os.path.join(directory, str(step))
+
+
+class _StderrWatcher:
+    """Passes file descriptor 2 through the watcher process (`_watch`) until `close`."""
+
+    def __init__(self, program, model_dir, job):
+        sys.stderr.flush()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", __name__, program, model_dir]
+            + [str(job.this), str(job.processes), job.coordinator],
+            stdin=subprocess.PIPE,
+            stdout=2,
+        )
+        self._original = os.dup(2)
+        os.dup2(self._process.stdin.fileno(), 2)
+        self._process.stdin.close()  # Descriptor 2 is now the pipe's only write end here.
+
+    def end_process(self, line):
+        """Says `line` and ends the process at once (status 1), skipping its exit handlers.
+
+        JAX's would wait at its shutdown barrier for the lost peer, then
+        abort with a dump. Descriptor 2 is closed before the wait for the
+        watcher, so that a fatal dump JAX's client starts meanwhile cannot
+        reach the console.
+        """
+        print(errors.one_line(line), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.close(2)
+        self._wait()
+        os._exit(1)
+
+    def close(self):
+        sys.stderr.flush()
+        os.dup2(self._original, 2)  # Closes the pipe: the watcher passes the rest on and ends.
+        os.close(self._original)
+        self._wait()
+
+    def _wait(self):
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+
+def _watch(program, model_dir, job, lines, out):
+    """Passes `lines` on to `out` (a descriptor); a fatal JAX dump becomes the one line."""
+    dump = None
+    said = False  # Whether the process said the loss itself (`_StderrWatcher.end_process`).
+    for line in lines:
+        if dump is not None:
+            dump.append(line)
+        elif _JAX_FATAL in line:
+            dump = [line]
+        elif _FATAL_NOTE not in line:
+            said = said or b": error: lost " in line
+            _write_all(out, line)
+    if dump is not None and not said:
+        text = b"".join(dump).decode(errors="replace")
+        _write_all(out, f"{program}: error: {job.lost_message(text, model_dir)}\n".encode())
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+if __name__ == "__main__":
+    # The watcher outlives the process it watches, so that it can still say
+    # how that process ended: a Ctrl-C or SIGTERM for the whole process group
+    # is that process's to handle; the watcher ends when the pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _program, _model_dir, _this, _processes, _coordinator = sys.argv[1:]
+    _job = _JaxJob(int(_this), int(_processes), _coordinator)
+    _watch(_program, _model_dir, _job, sys.stdin.buffer, sys.stdout.fileno())
