@@ -9,6 +9,7 @@ tests/kill_resume_test.py.
 import glob
 import json
 import os
+import shutil
 import tempfile
 
 from absl.testing import absltest
@@ -160,6 +161,39 @@ class CheckpointFallbackTest(_Trainer):
             os.path.basename(tf.train.latest_checkpoint(os.path.dirname(state))), "ckpt-12"
         )
         self.assertFalse(glob.glob(os.path.join(self.run_dir, "checkpoints", "*_temp")))
+
+    def _killed_save(self, step, copied_step):
+        """`ckpt-<step>` as a save killed while TensorFlow wrote its index (not committed)."""
+        for path in _tf_checkpoint_files(self.run_dir, copied_step):
+            killed = path.replace(f"ckpt-{copied_step}.", f"ckpt-{step}.")
+            shutil.copy(path, killed)
+            if killed.endswith(".index"):
+                with open(killed, "r+b") as f:
+                    f.truncate(f.seek(0, os.SEEK_END) // 2)
+
+    def test_a_killed_uncommitted_save_is_removed(self):
+        self.run_trainer()
+        self._killed_save(12, copied_step=8)
+        with self.assertLogs(level="WARNING") as logs:
+            self.run_trainer(train_steps=12)
+        self.assertTrue(
+            any("ckpt-12: a save killed before its commit" in line for line in logs.output),
+            logs.output,
+        )
+        self.assertEqual(_steps(self.run_dir), [4, 8, 12])
+
+    def test_a_killed_first_save_starts_the_run_over(self):
+        self.run_trainer(train_steps=4)
+        self._killed_save(8, copied_step=4)
+        checkpoints = os.path.join(self.run_dir, "checkpoints")
+        for path in _tf_checkpoint_files(self.run_dir, 4) + [
+            os.path.join(checkpoints, "checkpoint")
+        ]:
+            os.remove(path)  # As if step 8's save were the run's first.
+        os.remove(os.path.join(self.run_dir, "history.json"))
+        self.run_trainer(train_steps=8)
+        self.assertEqual(_steps(self.run_dir), [4, 8])
+        self.assertEqual(os.path.basename(tf.train.latest_checkpoint(checkpoints)), "ckpt-8")
 
     def test_lost_state_file_is_rebuilt(self):
         self.run_trainer()

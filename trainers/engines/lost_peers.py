@@ -241,11 +241,15 @@ class _StderrWatcher:
 
     def __init__(self, program, model_dir, job):
         sys.stderr.flush()
+        # The checkout holding `trainers`, wherever this process was started.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         self._process = subprocess.Popen(
             [sys.executable, "-m", __name__, program, model_dir]
             + [str(job.this), str(job.processes), job.coordinator],
             stdin=subprocess.PIPE,
             stdout=2,
+            env=dict(os.environ, PYTHONPATH=path),
         )
         self._original = os.dup(2)
         os.dup2(self._process.stdin.fileno(), 2)

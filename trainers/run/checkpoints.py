@@ -86,6 +86,15 @@ def checkpoint_prefixes(checkpoint_dir):
     return sorted(found, reverse=True)
 
 
+def _readable(prefix):
+    """Whether TensorFlow reads the index of the checkpoint at `prefix`."""
+    try:
+        tf.train.load_checkpoint(prefix)
+    except (tf.errors.OpError, ValueError):
+        return False
+    return True
+
+
 class TFCheckpointer:
     """A run's `tf.train.Checkpoint` of its step, model and optimizer.
 
@@ -123,15 +132,24 @@ class TFCheckpointer:
         )
 
     def _repair_chief_dir(self):
-        """Removes killed saves' temporary directories; rebuilds a lost or garbled state file."""
+        """Removes killed saves (their temporary directories, and checkpoints TensorFlow had
+        not committed and cannot read); rebuilds a lost or garbled state file."""
         for temp in tf.io.gfile.glob(os.path.join(self._chief_dir, "ckpt-*_temp")):
             tf.io.gfile.rmtree(temp)
-        prefixes = [prefix for _, prefix in checkpoint_prefixes(self._chief_dir)]
-        if not prefixes:
-            return
         # None when the file is missing or garbled (TensorFlow logs the parse error).
         state = tf.train.get_checkpoint_state(self._chief_dir)
         listed = {os.path.basename(p) for p in state.all_model_checkpoint_paths} if state else set()
+        for _, prefix in checkpoint_prefixes(self._chief_dir):
+            # TensorFlow commits a save by listing it in the state file, last:
+            # an unlisted one it cannot read is a save killed while its index
+            # was written (a first save's too, before any state file exists).
+            if os.path.basename(prefix) not in listed and not _readable(prefix):
+                logging.warning("Removed %s: a save killed before its commit.", prefix)
+                for path in tf.io.gfile.glob(prefix + ".*"):
+                    tf.io.gfile.remove(path)
+        prefixes = [prefix for _, prefix in checkpoint_prefixes(self._chief_dir)]
+        if not prefixes:
+            return
         if not {os.path.basename(p) for p in prefixes} <= listed:
             logging.warning(
                 "The checkpoint state file of %s is missing, garbled or incomplete: rebuilt "
