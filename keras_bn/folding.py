@@ -90,34 +90,50 @@ def _channel_axis(layer, rank):
     return 1
 
 
-def _why_not_after(bn, producer, callers, consumers):
-    """Why `bn` cannot fold into `producer`, the layer it is called on (None if it can)."""
-    if producer is None or isinstance(producer, keras.layers.InputLayer):
+def _why_not_plain(layer, role):
+    """Why `layer`'s kernel cannot take a fold (None if it can): quantized or with LoRA."""
+    if getattr(layer, "quantization_mode", None):
+        return f"{role} {layer.name} is quantized ({layer.quantization_mode})"
+    if getattr(layer, "lora_enabled", False):
+        return f"{role} {layer.name} has LoRA weights"
+    return None
+
+
+def _why_not_after(bn, name, layers, callers, consumers):
+    """Why `bn` cannot fold into its input's layer `name` (None if it can)."""
+    producer = layers.get(name)
+    if name is None or isinstance(producer, keras.layers.InputLayer):
         return "its input is a model input"
-    if not isinstance(producer, _PRODUCERS):
-        return f"its input comes from {producer.name} ({type(producer).__name__})"
+    if producer is None:
+        return f"its input comes from {name}, an operation"
+    # Exact types: a subclass may transform its kernel in its own `call`.
+    if type(producer) not in _PRODUCERS:
+        return f"its input comes from {name} ({type(producer).__name__})"
     if producer.activation not in (None, keras.activations.linear):
-        return f"its input {producer.name} has activation {producer.activation.__name__}"
-    if len(callers.get(producer.name, [])) != 1 or consumers.get(producer.name, 0) != 1:
-        return f"its input {producer.name} is called more than once or has other consumers"
+        return f"its input {name} has activation {producer.activation.__name__}"
+    if len(callers.get(name, [])) != 1 or consumers.get(name, 0) != 1:
+        return f"its input {name} is called more than once or has other consumers"
     if bn.feature_axes != (_channel_axis(producer, len(producer.output.shape)),):
-        return f"it does not normalise the channels of its input {producer.name}"
-    return None
+        return f"it does not normalise the channels of its input {name}"
+    return _why_not_plain(producer, "its input")
 
 
-def _why_not_before(bn, consumer, callers):
-    """Why `bn` cannot fold into `consumer`, the one layer called on it (None if it can)."""
-    if consumer is None:
+def _why_not_before(bn, name, layers, callers):
+    """Why `bn` cannot fold into `name`, the one consumer of its output (None if it can)."""
+    consumer = layers.get(name)
+    if name is None:
         return "its output has several consumers or is a model output"
+    if consumer is None:
+        return f"its output goes to {name}, an operation"
     if type(consumer) not in _CONSUMERS:
-        return f"its output goes to {consumer.name} ({type(consumer).__name__})"
-    if callers[consumer.name] != [[bn.name]]:
-        return f"its consumer {consumer.name} is called more than once or on other inputs"
+        return f"its output goes to {name} ({type(consumer).__name__})"
+    if callers[name] != [[bn.name]]:
+        return f"its consumer {name} is called more than once or on other inputs"
     if isinstance(consumer, _CONV) and (consumer.padding != "valid" or consumer.groups != 1):
-        return f"its consumer {consumer.name} pads (its zeros would not be normalised) or groups"
+        return f"its consumer {name} pads (its zeros would not be normalised) or groups"
     if bn.feature_axes != (_channel_axis(consumer, len(consumer.input.shape)),):
-        return f"it does not normalise the input channels of its consumer {consumer.name}"
-    return None
+        return f"it does not normalise the input channels of its consumer {name}"
+    return _why_not_plain(consumer, "its consumer")
 
 
 def _plan(model):
@@ -127,10 +143,11 @@ def _plan(model):
     folds or why it is kept (see `folding_plan`).
     """
     callers, consumers = _graph(model)
-    only_consumer = {}
+    layers = {layer.name: layer for layer in model.layers}  # Not a graph's operations.
+    only_consumer = {}  # Of each output used once: the name of what uses it.
     for name, calls in callers.items():
         for source in {n for call in calls for n in call} - {None}:
-            only_consumer[source] = model.get_layer(name) if consumers[source] == 1 else None
+            only_consumer[source] = name if consumers[source] == 1 else None
     after, before, reasons = {}, {}, {}
     for bn in model.layers:
         if not isinstance(bn, BatchNormalization):
@@ -139,21 +156,16 @@ def _plan(model):
         if len(calls) != 1 or len(calls[0]) != 1:
             reasons[bn.name] = "kept: it is called more than once or on several inputs"
             continue
-        producer = model.get_layer(calls[0][0]) if calls[0][0] else None
-        why_not_after = _why_not_after(bn, producer, callers, consumers)
-        consumer = only_consumer.get(bn.name)
+        producer, consumer = calls[0][0], only_consumer.get(bn.name)
+        why_not_after = _why_not_after(bn, producer, layers, callers, consumers)
+        why_not_before = _why_not_before(bn, consumer, layers, callers)
         if why_not_after is None:
-            after[producer.name] = bn
-            reasons[bn.name] = f"folded into {producer.name}, its input"
-        elif (
-            consumer is not None
-            and consumer.name not in before
-            and (_why_not_before(bn, consumer, callers) is None)
-        ):
-            before[consumer.name] = bn
-            reasons[bn.name] = f"folded into {consumer.name}, its consumer"
+            after[producer] = bn
+            reasons[bn.name] = f"folded into {producer}, its input"
+        elif why_not_before is None:
+            before[consumer] = bn
+            reasons[bn.name] = f"folded into {consumer}, its consumer"
         else:
-            why_not_before = _why_not_before(bn, consumer, callers)
             reasons[bn.name] = f"kept: {why_not_after}; {why_not_before}"
     return after, before, reasons
 
@@ -207,8 +219,10 @@ def fold_batch_norm(model):
       `Conv1D/2D/3D` with `padding="valid"` and no groups, whose input
       channels it normalises; padding would meet the offset t with zeros):
       W' = W·s per input channel, b' = b + Σ W·t;
-    and is replaced by a `FoldedBatchNorm` identity layer. Every other
-    keras_bn layer is kept, for the reason `folding_plan(model)` gives.
+    and is replaced by a `FoldedBatchNorm` identity layer. Only those exact
+    classes take a fold (not subclasses, which may transform their kernel),
+    and not when quantized or with LoRA weights. Every other keras_bn layer
+    is kept, for the reason `folding_plan(model)` gives.
     Nested Sequential and functional models are folded the same way, each on
     its own. The folded weights are computed in float64 and stored in each
     layer's own dtype, so a float64 model stays float64. Every other layer is

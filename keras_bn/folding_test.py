@@ -317,6 +317,46 @@ class FoldTest(parameterized.TestCase):
         for got, expected in zip(folded(x), model(x, training=False)):
             np.testing.assert_allclose(_numpy(got), _numpy(expected), rtol=1e-6, atol=1e-6)
 
+    def test_operations_subclasses_and_quantized_or_lora_layers_keep_their_layers(self):
+        class Standardized(keras.layers.Dense):
+            """A Dense whose call rescales its kernel: a fold into it would be undone."""
+
+            def call(self, x):
+                kernel = self.kernel / keras.ops.std(self.kernel)
+                return keras.ops.matmul(x, kernel) + self.bias
+
+        inputs = keras.Input((6,), name="x")
+        a = keras_bn.BatchNormalization(name="bn_op")(keras.ops.tanh(inputs))
+        a = a + inputs  # Operations of a functional graph are not layers.
+        b = Standardized(6, name="standardized")(inputs)
+        b = keras_bn.BatchNormalization(name="bn_subclass")(b)
+        quantized = keras.layers.Dense(6, name="quantized")
+        c = keras_bn.BatchNormalization(name="bn_quantized")(quantized(inputs))
+        lora = keras.layers.Dense(6, name="lora")
+        d = keras_bn.BatchNormalization(name="bn_lora")(lora(inputs))
+        model = keras.Model(inputs, [a, b, c, d])
+        quantized.quantize("int8")
+        lora.enable_lora(2)
+        plan = keras_bn.folding_plan(model)
+        self.assertRegex(
+            plan["bn_op"],
+            r"^kept: its input comes from tanh(_\d+)?, an operation; its output goes to "
+            r"add(_\d+)?, an operation$",
+        )
+        self.assertRegex(
+            plan["bn_subclass"],
+            r"^kept: its input comes from standardized "
+            r"\(Standardized\)",
+        )
+        self.assertRegex(plan["bn_quantized"], r"^kept: its input quantized is quantized \(int8\)")
+        self.assertRegex(plan["bn_lora"], r"^kept: its input lora has LoRA weights")
+        _randomize_statistics(model, 2)
+        x = np.random.RandomState(11).randn(3, 6).astype(np.float32)
+        folded = keras_bn.fold_batch_norm(model)
+        self.assertFalse(any(isinstance(x, folding.FoldedBatchNorm) for x in folded.layers))
+        for got, expected in zip(folded(x), model(x, training=False)):
+            np.testing.assert_allclose(_numpy(got), _numpy(expected), rtol=1e-6, atol=1e-6)
+
     def test_rejects_subclassed_model(self):
         class Net(keras.Model):
             def call(self, x):

@@ -191,6 +191,28 @@ class JaxWatcherTest(absltest.TestCase):
             "127.0.0.1:1000; JAX does not say which); this is process 1",
         )
 
+    def test_gloo_aborting_mid_transfer_becomes_one_line(self):
+        # Process 0 of 2, when process 1 was SIGKILLed during a transfer (JAX 0.10.2).
+        dump = [
+            "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n",
+            "  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] "
+            "op.preamble.length <= op.nbytes. 19600 vs 2500. Received data size doesn't match "
+            "expected size.\n",
+            "Fatal Python error: Aborted\n",
+            "\n",
+            "Thread 0x00007fc6e15d9b80 (most recent call first):\n",
+            '  File "trainers/engines/jax_runner.py", line 300 in _host\n',
+        ]
+        self.assertEqual(
+            self.watch(dump, this=0),
+            "mnist_sigmoid: error: a collective with the other processes aborted in gloo, as "
+            "when a process of this job is lost mid-transfer; this is process 0 (the "
+            "coordinator, 127.0.0.1:1000), which stops too (JAX: [enforce fail at "
+            "external/gloo/gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes). "
+            "Relaunch every process with the same command: no checkpoint is in "
+            "--model_dir=/nonexistent yet, so it starts over.\n",
+        )
+
     def test_lines_pass_on_and_a_loss_the_process_said_is_not_said_twice(self):
         said = "mnist_sigmoid: error: lost process 1 of this job; this is process 0 ...\n"
         lines = ["a line\n", "Traceback (most recent call last):\n", "  a bug's frame\n", said]
@@ -211,7 +233,14 @@ class JaxReportingTest(absltest.TestCase):
         }
         before = os.fstat(2)
         with mock.patch.dict(os.environ, env):
-            for error in [jax.errors.JaxRuntimeError("INTERNAL: a kernel's bug"), KeyError("k")]:
+            errors = [
+                jax.errors.JaxRuntimeError("INTERNAL: a kernel's bug"),
+                KeyError("k"),
+                # Before the job has formed (no `jax.distributed` here): a coordinator
+                # never reached, not a lost peer.
+                jax.errors.JaxRuntimeError("UNKNOWN: Gloo connect: Connection refused"),
+            ]
+            for error in errors:
                 with self.assertRaises(type(error)):
                     with lost_peers.reporting("jax", "data_parallel", "prog", "/nonexistent"):
                         self.assertNotEqual(os.fstat(2).st_ino, before.st_ino)

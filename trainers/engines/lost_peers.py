@@ -11,11 +11,12 @@ step S (path)". `reporting` gives the context a trainer's `main` runs in.
   sees it as a `JaxRuntimeError` from its next cross-process collective
   (gloo's connection reset), or not at all: JAX's distributed client ends
   the process from a C++ thread (a `LOG(FATAL)` dump, then an abort) once
-  the coordination service is gone or reports a lost process. So on JAX
+  the coordination service is gone or reports a lost process, and gloo
+  aborts it (`std::terminate`) when a connection dies mid-transfer. So on JAX
   file descriptor 2 goes through a watcher process (this module run as a
   program) that passes every line on and, should the process abort so,
   prints the one line instead of the dump. The Python-visible error ends
-  the process at once (`_StderrWatcher.end_process`): JAX's exit would
+  the process at once (`_end_process`): JAX's exit would
   wait at its shutdown barrier for the lost peer, then abort.
 """
 
@@ -26,6 +27,8 @@ import signal
 import subprocess
 import sys
 
+from absl import logging
+
 from trainers.run import errors
 
 _JOB_ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
@@ -33,15 +36,18 @@ _NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
 _PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
 # The line JAX's client prints before it aborts the process, from C++.
 _JAX_FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
-# What a cross-process collective or the coordination service says of a gone peer.
-_PEER_GONE = (
+# gloo's own abort, when a peer's connection dies in the middle of a transfer.
+_GLOO_ABORT = b"terminate called after throwing an instance of 'gloo::"
+# What a gloo collective says of a gone peer, and what the coordination service says.
+_GLOO_PEER_GONE = (
     "Connection reset by peer",
     "Connection closed by peer",
     "Connection refused",
     "Broken pipe",
-    "heartbeat",
-    "Failed to send RPC to coordination service",
 )
+_SERVICE_PEER_GONE = ("heartbeat timeout", "Failed to send RPC to coordination service")
+# The end of a fatal message: the C++ stack, or Python's dump, follows.
+_DUMP_ENDS = (b"*** Check failure stack trace: ***", b"Fatal Python error: ")
 # JAX's note just before that line, which says no more than the line.
 _FATAL_NOTE = b"Polled an error from coordination service"
 
@@ -155,15 +161,37 @@ def _reporting_lost_processes(program, model_dir):
     import jax
 
     job = _JaxJob.from_environment()
-    watcher = _StderrWatcher(program, model_dir, job)
+    watcher = _StderrWatcher.start(program, model_dir, job)
     try:
         yield
     except jax.errors.JaxRuntimeError as error:
-        if not any(mark in str(error) for mark in _PEER_GONE):
+        # Only once the job has formed: a coordinator never reached is no lost peer.
+        if not (jax.distributed.is_initialized() and _peer_gone(str(error))):
             raise
-        watcher.end_process(f"{program}: error: {job.lost_message(str(error), model_dir)}")
+        _end_process(f"{program}: error: {job.lost_message(str(error), model_dir)}", watcher)
     finally:
-        watcher.close()
+        if watcher is not None:
+            watcher.close()
+
+
+def _peer_gone(text):
+    """Whether JAX's error `text` says a peer of the job is gone."""
+    gloo = "Gloo" in text and any(mark in text for mark in _GLOO_PEER_GONE)
+    return gloo or any(mark in text for mark in _SERVICE_PEER_GONE)
+
+
+def _end_process(line, watcher):
+    """Says `line` and ends the process at once (status 1), skipping its exit handlers.
+
+    JAX's would wait at its shutdown barrier for the lost peer, then abort
+    with a dump. With a `watcher`, descriptor 2 is detached from the console
+    first, so that a fatal dump JAX's client starts meanwhile cannot reach it.
+    """
+    print(errors.one_line(line), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if watcher is not None:
+        watcher.detach()
+    os._exit(1)
 
 
 class _JaxJob:
@@ -195,15 +223,20 @@ class _JaxJob:
             lost = sorted({int(n) for n in named} - {self.this})
         if not lost and self.processes == 2 and self.this >= 0:
             lost = [1 - self.this]
-        if lost:
+        if "terminate called after throwing" in text:  # gloo's abort names no peer.
+            who = (
+                "a collective with the other processes aborted in gloo, as when a process of "
+                "this job is lost mid-transfer"
+            )
+        elif lost:
             who = f"lost {', '.join(map(self.name, lost))} of this job"
         else:
             who = (
                 f"lost a process of this job ({self.processes} processes, coordinator "
                 f"{self.coordinator}; JAX does not say which)"
             )
-        # JAX's first sentence: its status code and what failed.
-        status = " ".join(text.split("absl::Status: ", 1)[-1].split())
+        # The first sentence of JAX's status (or of gloo's `what()`): what failed.
+        status = " ".join(re.split(r"absl::Status: |what\(\): ", text, maxsplit=1)[-1].split())
         cause = status.split(". ", 1)[0][:200]
         checkpoint = _last_orbax_checkpoint(model_dir)
         resume = (
@@ -211,6 +244,8 @@ class _JaxJob:
             if checkpoint
             else f"no checkpoint is in --model_dir={model_dir} yet, so it starts over"
         )
+        if checkpoint is None and "://" in model_dir:  # Not listed from here.
+            resume = f"it resumes from the newest checkpoint in --model_dir={model_dir}"
         return (
             f"{who}; this is {self.name(self.this)}, which stops too (JAX: {cause}). "
             f"Relaunch every process with the same command: {resume}."
@@ -221,15 +256,16 @@ def _last_orbax_checkpoint(model_dir):
     """`(step, path)` of the newest committed orbax step under `model_dir`, or None.
 
     Newest by time, as `_last_checkpoint`; orbax commits a step by renaming
-    its temporary directory to the bare step number.
+    its temporary directory to the bare step number. A step deleted meanwhile
+    (orbax keeps the newest few) is passed over.
     """
-    found = [
-        (os.stat(os.path.join(directory, name)).st_mtime_ns, int(name), directory)
-        for directory, names, _ in os.walk(model_dir)
-        if os.path.basename(directory) == "checkpoints"
-        for name in names
-        if name.isdigit()
-    ]
+    found = []
+    for directory, names, _ in os.walk(model_dir):
+        if os.path.basename(directory) == "checkpoints":
+            for name in filter(str.isdigit, names):
+                with contextlib.suppress(FileNotFoundError):
+                    mtime = os.stat(os.path.join(directory, name)).st_mtime_ns
+                    found.append((mtime, int(name), directory))
     if not found:
         return None
     _, step, directory = max(found)
@@ -239,35 +275,43 @@ def _last_orbax_checkpoint(model_dir):
 class _StderrWatcher:
     """Passes file descriptor 2 through the watcher process (`_watch`) until `close`."""
 
-    def __init__(self, program, model_dir, job):
+    def __init__(self, process):
+        self._process = process
+        self._original = os.dup(2)
+        os.dup2(process.stdin.fileno(), 2)
+        process.stdin.close()  # Descriptor 2 is now the pipe's only write end here.
+
+    @classmethod
+    def start(cls, program, model_dir, job):
+        """The watcher of this process's descriptor 2, or None if it cannot start."""
         sys.stderr.flush()
         # The checkout holding `trainers`, wherever this process was started.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", __name__, program, model_dir]
-            + [str(job.this), str(job.processes), job.coordinator],
-            stdin=subprocess.PIPE,
-            stdout=2,
-            env=dict(os.environ, PYTHONPATH=path),
-        )
-        self._original = os.dup(2)
-        os.dup2(self._process.stdin.fileno(), 2)
-        self._process.stdin.close()  # Descriptor 2 is now the pipe's only write end here.
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", __name__, program, model_dir]
+                + [str(job.this), str(job.processes), job.coordinator],
+                stdin=subprocess.PIPE,
+                stdout=2,
+                env=dict(os.environ, PYTHONPATH=path),
+                # Its own session: a Ctrl-C or SIGTERM for this process's
+                # group is this process's to handle; the watcher ends at EOF.
+                start_new_session=True,
+            )
+        except OSError as error:
+            logging.warning("No watcher of standard error (%s): JAX's aborts show whole.", error)
+            return None
+        return cls(process)
 
-    def end_process(self, line):
-        """Says `line` and ends the process at once (status 1), skipping its exit handlers.
+    def detach(self):
+        """Points descriptor 2 at /dev/null and waits for the watcher to pass the rest on.
 
-        JAX's would wait at its shutdown barrier for the lost peer, then
-        abort with a dump. Descriptor 2 is closed before the wait for the
-        watcher, so that a fatal dump JAX's client starts meanwhile cannot
-        reach the console.
+        Not closed: a file opened meanwhile would take its number.
         """
-        print(errors.one_line(line), file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os.close(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)  # Closes the pipe's last write end here: the watcher ends.
         self._wait()
-        os._exit(1)
 
     def close(self):
         sys.stderr.flush()
@@ -276,27 +320,40 @@ class _StderrWatcher:
         self._wait()
 
     def _wait(self):
+        # Longer only if a child process holds the pipe too: the lines are passed on by then.
         try:
-            self._process.wait(timeout=10)
+            self._process.wait(timeout=3)
         except subprocess.TimeoutExpired:
             self._process.kill()
 
 
 def _watch(program, model_dir, job, lines, out):
-    """Passes `lines` on to `out` (a descriptor); a fatal JAX dump becomes the one line."""
+    """Passes `lines` on to `out` (a descriptor); a fatal JAX dump becomes the one line.
+
+    The line goes out once the fatal message is whole (a stack begins), or at
+    the end: not only when the pipe closes, which a child process of the
+    watched one holding it open would delay.
+    """
     dump = None
-    said = False  # Whether the process said the loss itself (`_StderrWatcher.end_process`).
+    said = False  # Whether the process said the loss itself (`_end_process`).
     for line in lines:
         if dump is not None:
             dump.append(line)
-        elif _JAX_FATAL in line:
+            if any(end in line for end in _DUMP_ENDS) and not said:
+                said = _say(program, model_dir, job, dump, out)
+        elif _JAX_FATAL in line or _GLOO_ABORT in line:
             dump = [line]
         elif _FATAL_NOTE not in line:
             said = said or b": error: lost " in line
             _write_all(out, line)
     if dump is not None and not said:
-        text = b"".join(dump).decode(errors="replace")
-        _write_all(out, f"{program}: error: {job.lost_message(text, model_dir)}\n".encode())
+        _say(program, model_dir, job, dump, out)
+
+
+def _say(program, model_dir, job, dump, out):
+    text = b"".join(dump).decode(errors="replace")
+    _write_all(out, f"{program}: error: {job.lost_message(text, model_dir)}\n".encode())
+    return True
 
 
 def _write_all(fd, data):
@@ -306,8 +363,8 @@ def _write_all(fd, data):
 
 if __name__ == "__main__":
     # The watcher outlives the process it watches, so that it can still say
-    # how that process ended: a Ctrl-C or SIGTERM for the whole process group
-    # is that process's to handle; the watcher ends when the pipe closes.
+    # how that process ended; it ends when the pipe closes. It runs in a
+    # session of its own: signals for the watched process's group miss it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _program, _model_dir, _this, _processes, _coordinator = sys.argv[1:]
