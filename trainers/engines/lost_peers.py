@@ -123,15 +123,18 @@ def _lost_worker_message(error, model_dir):
     first = next((i for i, line in enumerate(lines) if line.startswith(_ABORTED)), 0)
     cause = " ".join(lines[first : first + (2 if lines[first].endswith(":") else 1)])[:200]
     checkpoint = _last_checkpoint(model_dir)
-    resume = (
-        f"it resumes from the last checkpoint, step {checkpoint[0]} ({checkpoint[1]})"
-        if checkpoint
-        else f"no checkpoint is in --model_dir={model_dir} yet, so it starts over"
-    )
+    resume = _resume(checkpoint, model_dir)
     return (
         f"{who}; this is {name(this)}, which stops too (TensorFlow: {cause}). "
         f"Relaunch every worker with the same command: {resume}."
     )
+
+
+def _resume(checkpoint, model_dir):
+    """What a relaunch does: resume from `checkpoint` (`(step, path)`), or start over if None."""
+    if checkpoint is None:
+        return f"no checkpoint is in --model_dir={model_dir} yet, so it starts over"
+    return f"it resumes from the last checkpoint, step {checkpoint[0]} ({checkpoint[1]})"
 
 
 def _last_checkpoint(model_dir):
@@ -239,11 +242,7 @@ class _JaxJob:
         status = " ".join(re.split(r"absl::Status: |what\(\): ", text, maxsplit=1)[-1].split())
         cause = status.split(". ", 1)[0][:200]
         checkpoint = _last_orbax_checkpoint(model_dir)
-        resume = (
-            f"it resumes from the last checkpoint, step {checkpoint[0]} ({checkpoint[1]})"
-            if checkpoint
-            else f"no checkpoint is in --model_dir={model_dir} yet, so it starts over"
-        )
+        resume = _resume(checkpoint, model_dir)
         if checkpoint is None and "://" in model_dir:  # Not listed from here.
             resume = f"it resumes from the newest checkpoint in --model_dir={model_dir}"
         return (
@@ -328,7 +327,7 @@ class _StderrWatcher:
 
 
 def _watch(program, model_dir, job, lines, out):
-    """Passes `lines` on to `out` (a descriptor); a fatal JAX dump becomes the one line.
+    """Passes `lines` on to `out` (a binary file); a fatal JAX dump becomes the one line.
 
     The line goes out once the fatal message is whole (a stack begins), or at
     the end: not only when the pipe closes, which a child process of the
@@ -345,20 +344,17 @@ def _watch(program, model_dir, job, lines, out):
             dump = [line]
         elif _FATAL_NOTE not in line:
             said = said or b": error: lost " in line
-            _write_all(out, line)
+            out.write(line)
+            out.flush()
     if dump is not None and not said:
         _say(program, model_dir, job, dump, out)
 
 
 def _say(program, model_dir, job, dump, out):
     text = b"".join(dump).decode(errors="replace")
-    _write_all(out, f"{program}: error: {job.lost_message(text, model_dir)}\n".encode())
+    out.write(f"{program}: error: {job.lost_message(text, model_dir)}\n".encode())
+    out.flush()
     return True
-
-
-def _write_all(fd, data):
-    while data:
-        data = data[os.write(fd, data) :]
 
 
 if __name__ == "__main__":
@@ -369,4 +365,4 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _program, _model_dir, _this, _processes, _coordinator = sys.argv[1:]
     _job = _JaxJob(int(_this), int(_processes), _coordinator)
-    _watch(_program, _model_dir, _job, sys.stdin.buffer, sys.stdout.fileno())
+    _watch(_program, _model_dir, _job, sys.stdin.buffer, sys.stdout.buffer)
