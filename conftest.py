@@ -30,7 +30,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section(f"conformance matrix ({keras.backend.backend()})")
     terminalreporter.write_line(
-        f"{'path':<11}{'dtype':<16}{'layout':<8}{'transform':<12}{'result':<9}"
+        f"{'path':<14}{'dtype':<16}{'layout':<8}{'transform':<12}{'result':<9}"
         f"{'keras_bn error':<16}Keras' layer"
     )
     for cell, status, detail, keras_error in rows:
@@ -39,6 +39,6 @@ def pytest_terminal_summary(terminalreporter):
         if not ours:
             theirs = detail  # The reason a cell is refused or not run.
         terminalreporter.write_line(
-            f"{cell.path:<11}{cell.dtype:<16}{cell.layout:<8}{cell.transform:<12}{status:<9}"
+            f"{cell.path:<14}{cell.dtype:<16}{cell.layout:<8}{cell.transform:<12}{status:<9}"
             f"{ours:<16}{theirs}"
         )

@@ -11,6 +11,7 @@ from keras_bn import kernels
 from keras_bn import moving_statistics
 from keras_bn import normalize
 from keras_bn import validation
+from keras_bn import weight_files
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")
@@ -63,9 +64,10 @@ class BatchNormalization(keras.layers.Layer):
     Weight files. By default the layer holds exactly Keras' weights in
     Keras' order, so weight files and `get_weights()` lists move between it
     and `keras.layers.BatchNormalization` both ways. Its own state
-    (`moving_batches`, `num_updates`, `skipped_updates`) is saved and loaded
-    by name (0 when a file has none); a file with other numbers or shapes of
-    weights is refused (a swap of `center` and `scale` cannot be told apart).
+    (`moving_batches`, `num_updates`, `skipped_updates`, `accumulated_*`) is
+    saved and loaded by name (0 when a file has none); a file with other
+    numbers or shapes of weights is refused (a swap of `center` and `scale`
+    cannot be told apart).
 
     Kernels. A call with one feature axis, the last or the second of a 4-D
     or 5-D map, and no mask, renorm, ghost batches or cross-replica merge
@@ -87,6 +89,9 @@ class BatchNormalization(keras.layers.Layer):
     normalises consecutive ghost batches of v examples of each replica's
     batch on their own (Hoffer et al. 2017); the moving statistics move once
     per step towards the ghost batches' average mean and average variance.
+    With `synchronized=True` too, v examples share statistics whatever the
+    replica count: ghost batches of a replica's batch b when v < b, each
+    replica's batch when v = b, groups of v / b replicas when v > b.
     Without a strategy or distribution the batch is the whole batch. Under
     `tf.distribute` each replica keeps its own copy of the moving
     statistics (identical when synchronised); a checkpoint holds their
@@ -97,6 +102,24 @@ class BatchNormalization(keras.layers.Layer):
     σ_R moving averages of μ_B and σ_B = √(σ²_B + ε) (`renorm_momentum`);
     r and d are clipped by `renorm_clipping` and held out of the gradient.
     `moving_variance` then follows an average of σ_B: moving_stddev² − ε.
+
+    Which statistics normalise. `statistics="batch"` normalises with batch
+    statistics in inference too (PyTorch's `track_running_stats=False`,
+    Flax's `use_running_average=False`): an inference call normalises as a
+    training call would (ghost batches and mask included) and moves
+    nothing; training still moves the moving statistics, kept in weight
+    files as ever. `statistics="moving"` freezes them (detectron2's
+    `FrozenBatchNorm2d`): training normalises with the moving statistics
+    and never moves them, x's gradient is the inference formula's, and γ
+    and β still learn (`convert_batch_norm(model, statistics="moving")`).
+
+    Gradient accumulation. With `accumulation_steps=k` each training call
+    still normalises with its own batch statistics, and the moving
+    statistics take one step per k calls, from the pooled moments of those
+    k micro-batches (mean of means, mean of within-batch variances, as ghost
+    batches of one step), so momentum and `momentum=None` count optimizer
+    steps. The state lives in the weights `accumulated_*`; the layer counts
+    its own training calls (one per optimizer micro-step keeps them aligned).
 
     Precision. Statistics and arithmetic are in float32 for float16,
     bfloat16 and float32 inputs, and in float64 for a float64 layer; the
@@ -126,8 +149,9 @@ class BatchNormalization(keras.layers.Layer):
             With `synchronized=True`, the replicas per group; it must divide
             the number of replicas in sync.
         virtual_batch_size: int >= 2 or `None`, default None. Ghost batch
-            size in training; it must divide each replica's batch. Not with
-            `synchronized=True`.
+            size in training; it must divide each replica's batch. With
+            `synchronized=True`, the normalisation batch in examples: it
+            must tile the global batch; not with `sync_group_size`.
         renorm: bool, default False. Batch Renormalization.
         renorm_clipping: dict or `None`, default None; only with
             `renorm=True`. Optional keys "rmax", "rmin", "dmax" (floats);
@@ -142,6 +166,13 @@ class BatchNormalization(keras.layers.Layer):
             more than Keras' layer); needs `skip_nonfinite_updates=True`.
         momentum_warmup: bool, default False. Warm the momentum up over the
             first updates; needs a float `momentum`.
+        statistics: str, default "batch_in_training". Which statistics
+            normalise: batch statistics in training and moving ones in
+            inference, batch statistics always ("batch"), or the moving
+            statistics always ("moving", frozen). Not with `renorm=True`.
+        accumulation_steps: int >= 2 or `None`, default None. Training calls
+            per update of the moving statistics, as the optimizer's
+            `gradient_accumulation_steps`; adds five accumulator weights.
         fused: bool or `None`, default None. `None` uses the engine's fused
             kernel where the rule above picks it, `False` never (the general
             path), `True` requires it (a `ValueError` where it cannot run).
@@ -159,7 +190,7 @@ class BatchNormalization(keras.layers.Layer):
         inputs: floating-point tensor of rank >= 1.
         training: bool. True normalises with batch statistics and updates
             the moving statistics; False or `None` uses the moving
-            statistics.
+            statistics (unless `statistics` says otherwise).
         mask: optional tensor of the inputs' rank minus one, of any dtype,
             which broadcasts over their last axis (Keras' convention); a
             value counts where the mask is non-zero, as in Keras. Masked-out
@@ -213,6 +244,8 @@ class BatchNormalization(keras.layers.Layer):
         skip_nonfinite_updates=True,
         count_skipped_updates=False,
         momentum_warmup=False,
+        statistics="batch_in_training",
+        accumulation_steps=None,
         fused=None,
         beta_initializer="zeros",
         gamma_initializer="ones",
@@ -233,17 +266,15 @@ class BatchNormalization(keras.layers.Layer):
         self.unbiased_variance = validation.boolean("unbiased_variance", unbiased_variance)
         self.synchronized = validation.synchronized(synchronized)
         self.sync_group_size = validation.sync_group_size(sync_group_size, synchronized)
-        self.virtual_batch_size = validation.virtual_batch_size(virtual_batch_size, synchronized)
+        self.virtual_batch_size = validation.virtual_batch_size(virtual_batch_size, sync_group_size)
         self.renorm = validation.boolean("renorm", renorm)
         self.renorm_clipping = validation.renorm_clipping(renorm_clipping, renorm)
         self.renorm_momentum = validation.momentum(renorm_momentum, "renorm_momentum", False)
-        self.skip_nonfinite_updates = validation.boolean(
-            "skip_nonfinite_updates", skip_nonfinite_updates
-        )
-        self.count_skipped_updates = validation.count_skipped_updates(
-            count_skipped_updates, skip_nonfinite_updates
-        )
+        guard = validation.nonfinite_guard(skip_nonfinite_updates, count_skipped_updates)
+        self.skip_nonfinite_updates, self.count_skipped_updates = guard
         self.momentum_warmup = validation.momentum_warmup(momentum_warmup, self.momentum)
+        self.statistics = validation.statistics(statistics, self.renorm)
+        self.accumulation_steps = validation.accumulation_steps(accumulation_steps, statistics)
         self.fused = validation.optional_bool("fused", fused)
         self.beta_initializer = initializers.get(beta_initializer)
         self.gamma_initializer = initializers.get(gamma_initializer)
@@ -305,11 +336,14 @@ class BatchNormalization(keras.layers.Layer):
             self.moving_stddev = self._statistic("moving_stddev", shape, stddev_initializer)
             self.renorm_mean = self._statistic("renorm_mean", shape, self.moving_mean_initializer)
             self.renorm_stddev = self._statistic("renorm_stddev", shape, stddev_initializer)
-        for name, needed in zip(
-            _OWN_STATE, (self.momentum is None, self.momentum_warmup, self.count_skipped_updates)
-        ):
+        wanted = (self.momentum is None, self.momentum_warmup, self.count_skipped_updates)
+        wanted += (self.accumulation_steps is not None,) * len(moving_statistics.ACCUMULATORS)
+        for name, needed in zip(_OWN_STATE, wanted):
+            # Counters are scalars, the accumulators (but their step count) per feature.
+            per_feature = name in moving_statistics.ACCUMULATORS[1:]
             if needed:
-                setattr(self, name, self._statistic(name, (), initializers.Zeros()))
+                state = self._statistic(name, shape if per_feature else (), initializers.Zeros())
+                setattr(self, name, state)
         self.input_spec = keras.layers.InputSpec(
             ndim=rank, axes={a: input_shape[a] for a in self._feature_axes}
         )
@@ -371,9 +405,11 @@ class BatchNormalization(keras.layers.Layer):
 
     def call(self, inputs, training=None, mask=None):
         x = self._numeric_input(inputs)
-        if not (training and self.trainable):
+        training = bool(training and self.trainable)
+        batch = self.statistics == "batch" or (training and self.statistics != "moving")
+        if not batch:  # The moving statistics normalise.
             return batch_plan.cast(self._infer(x), self.compute_dtype)
-        weights = self._mask_weights(x, mask)
+        weights = validation.mask_weights(x, mask, self.statistics_dtype)
         plan = batch_plan.make_plan(
             batch_plan.current_context(self.synchronized),
             x.shape[0],
@@ -394,7 +430,8 @@ class BatchNormalization(keras.layers.Layer):
             fused=self.fused,
             dtype=self.statistics_dtype,
         )
-        self._update_moving_statistics(count, mean, variance)
+        if training:
+            self._update_moving_statistics(count, mean, variance)
         return batch_plan.cast(y, self.compute_dtype)
 
     def _infer(self, x):
@@ -431,6 +468,7 @@ class BatchNormalization(keras.layers.Layer):
             skip_nonfinite=self.skip_nonfinite_updates,
             count_skipped=self.count_skipped_updates,
             momentum_warmup=self.momentum_warmup,
+            accumulation_steps=self.accumulation_steps,
         )
         state = {v.name: v for v in self.non_trainable_variables}
         # The moments carry their gradient (for the output's); the state takes values, so a
@@ -457,79 +495,29 @@ class BatchNormalization(keras.layers.Layer):
             return ops.reshape(count, ())
         return ops.reshape(ops.broadcast_to(count, self._broadcast_shape), self.moving_mean.shape)
 
-    def _mask_weights(self, x, mask):
-        """The mask as 0/1 weights of `x`'s rank, or `None` without a mask."""
-        if mask is None:
-            return None
-        expected = tuple(x.shape[:-1])
-        mismatch = len(mask.shape) != len(expected) or any(
-            m not in (None, 1, e) and e is not None for m, e in zip(mask.shape, expected)
-        )
-        if mismatch:
-            raise ValueError(
-                f"Expected `mask` of shape {expected} (the inputs' shape without their last "
-                "axis, size-1 dimensions broadcasting). "
-                f"Received: mask.shape={tuple(mask.shape)}, inputs.shape={tuple(x.shape)}"
-            )
-        mask = ops.convert_to_tensor(mask)  # Keras' meaning, any dtype: counts where non-zero.
-        if keras.backend.standardize_dtype(mask.dtype) != "bool":
-            mask = ops.not_equal(mask, ops.zeros_like(mask))
-        return ops.expand_dims(ops.cast(mask, self.statistics_dtype), -1)
-
     def _renorm_correction(self, mean, variance):
-        """Batch Renormalization's (r, d), clipped and held out of the gradient."""
-        dtype = self.statistics_dtype
-        stddev = ops.sqrt(variance + self.epsilon)
+        """Batch Renormalization's (r, d) of a slice's moments, against this layer's μ_R, σ_R."""
         renorm_mean = self._broadcast(self.renorm_mean, 0.0)
-        # σ_R at least √ε: no division by zero early in training.
-        renorm_stddev = ops.maximum(
-            self._broadcast(self.renorm_stddev, 1.0),
-            ops.cast(self.epsilon, dtype) ** 0.5,
+        renorm_stddev = self._broadcast(self.renorm_stddev, 1.0)
+        return normalize.renorm_correction(
+            mean, variance, renorm_mean, renorm_stddev, self.epsilon, self.renorm_clipping or {}
         )
-        r = stddev / renorm_stddev
-        d = (mean - renorm_mean) / renorm_stddev
-        clipping = self.renorm_clipping or {}
-        if "rmin" in clipping:
-            r = ops.maximum(r, clipping["rmin"])
-        if "rmax" in clipping:
-            r = ops.minimum(r, clipping["rmax"])
-        if "dmax" in clipping:
-            d = ops.clip(d, -clipping["dmax"], clipping["dmax"])
-        return ops.stop_gradient(r), ops.stop_gradient(d)
 
     def save_own_variables(self, store):
         """Saves Keras' weights under Keras' numbered keys, this layer's own state by name."""
-        for i, variable in enumerate(self._keras_weights()):
-            store[str(i)] = variable
-        for name in _OWN_STATE:
-            if getattr(self, name) is not None:
-                store[name] = getattr(self, name)
+        weight_files.save(store, self._keras_weights(), self._own_state())
 
     def load_own_variables(self, store):
         """Loads a file of this layer or of Keras' layer: own state by name, shapes checked first.
 
         Raises:
             ValueError: when the file's numbered weights differ in number or
-                shape from this layer's, or it holds state this layer lacks.
+                shape from this layer's, or it holds an entry of neither kind.
         """
-        keys = list(store.keys())
-        expected = self._keras_weights()
-        numbered = [str(i) for i in range(len(expected))]
-        values = [store[k] for k in numbered if k in keys]
-        if sorted(set(keys) - set(_OWN_STATE)) != sorted(numbered) or any(
-            tuple(value.shape) != tuple(v.shape) for value, v in zip(values, expected)
-        ):
-            raise ValueError(
-                f"Layer '{self.name}' expects the weights {[v.name for v in expected]} of shapes "
-                f"{[tuple(v.shape) for v in expected]} under the keys 0..{len(expected) - 1}, and "
-                f"{list(_OWN_STATE)} by name; the file was saved from a layer of other settings "
-                f"or inputs. Received: keys={keys}, shapes={[tuple(v.shape) for v in values]}"
-            )
-        for variable, value in zip(expected, values):
-            variable.assign(value)
-        for name in _OWN_STATE:
-            if getattr(self, name) is not None:
-                getattr(self, name).assign(store[name] if name in keys else 0.0)
+        weight_files.load(store, self._keras_weights(), self._own_state(), _OWN_STATE, self.name)
+
+    def _own_state(self):
+        return {n: getattr(self, n) for n in _OWN_STATE if getattr(self, n) is not None}
 
     def _keras_weights(self):
         return [getattr(self, n) for n in _KERAS_WEIGHTS if getattr(self, n) is not None]
@@ -553,6 +541,8 @@ class BatchNormalization(keras.layers.Layer):
                 "skip_nonfinite_updates": self.skip_nonfinite_updates,
                 "count_skipped_updates": self.count_skipped_updates,
                 "momentum_warmup": self.momentum_warmup,
+                "statistics": self.statistics,
+                "accumulation_steps": self.accumulation_steps,
                 "fused": self.fused,
                 "beta_initializer": initializers.serialize(self.beta_initializer),
                 "gamma_initializer": initializers.serialize(self.gamma_initializer),
@@ -579,4 +569,4 @@ _KERAS_WEIGHTS = (
     "renorm_mean",
     "renorm_stddev",
 )
-_OWN_STATE = ("moving_batches", "num_updates", "skipped_updates")
+_OWN_STATE = ("moving_batches", "num_updates", "skipped_updates", *moving_statistics.ACCUMULATORS)

@@ -1,7 +1,9 @@
 """Which examples of a training batch share their statistics: the batch plan.
 
 This module owns the partition of a training batch, for every engine. From a
-layer's settings (`synchronized`, `sync_group_size`, `virtual_batch_size`),
+layer's settings (`synchronized`, `sync_group_size`, `virtual_batch_size`:
+with `synchronized=True` the normalisation batch in examples, turned into
+ghost batches, each replica's batch or replica groups by `make_plan`),
 the input's batch size and the engine context, `make_plan` builds one
 immutable `BatchPlan` per training call. The plan splits the batch into S
 consecutive slices of B/S examples along its batch axis, each normalised with
@@ -268,9 +270,20 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
     Raises:
         ValueError: when the mesh's replicas do not divide the batch, the
             group size does not divide the replicas, or v does not divide a
-            replica's batch, naming both numbers.
+            replica's batch (synchronised: does not tile the global batch),
+            naming the numbers.
     """
-    replicas = context.replicas
+    replicas, mesh = context.replicas, context.mesh_replicas
+    if batch_reduced and mesh > 1 and (batch_size is None or batch_size % mesh):
+        raise ValueError(
+            f"The batch of {batch_size} examples must split evenly over the {mesh} replicas "
+            f"on the distribution's batch axis. Received: batch_size={batch_size}, replicas={mesh}"
+        )
+    if synchronized and virtual_batch_size is not None and batch_reduced:
+        per_replica = None if batch_size is None else batch_size // mesh
+        group_size, virtual_batch_size = _groups_of_examples(
+            virtual_batch_size, per_replica, replicas
+        )
     # One replica (or none) needs no grouping: its batch is the whole batch.
     if synchronized and group_size is not None and replicas > 1 and replicas % group_size:
         raise ValueError(
@@ -282,12 +295,6 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
         groups = moments.ReplicaGroups(context.replica_context, group_size)
     if not batch_reduced:
         return BatchPlan(groups=groups)
-    mesh = context.mesh_replicas
-    if mesh > 1 and (batch_size is None or batch_size % mesh):
-        raise ValueError(
-            f"The batch of {batch_size} examples must split evenly over the {mesh} replicas "
-            f"on the distribution's batch axis. Received: batch_size={batch_size}, replicas={mesh}"
-        )
     if virtual_batch_size is not None and batch_size != 0:
         if batch_size is None:
             return BatchPlan(slices=None, slice_size=virtual_batch_size, groups=groups)
@@ -306,6 +313,35 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
     if not synchronized:
         return BatchPlan(slices=mesh)
     return BatchPlan(slices=mesh // (group_size or mesh))
+
+
+def _groups_of_examples(size, per_replica, replicas):
+    """`(sync_group_size, virtual_batch_size)` normalising every `size` consecutive examples.
+
+    With synchronized=True, `virtual_batch_size=v` is the normalisation batch
+    in examples, whatever the replica count: below a replica's batch b,
+    ghost batches of v; equal to it, each replica's batch; above it, groups
+    of v / b replicas. Every replica must hold b examples (as `fit` gives
+    them); they then agree on the plan.
+    """
+    if per_replica is None:
+        if replicas == 1:
+            return None, size  # Ghost batches, checked at run time.
+        raise ValueError(
+            f"synchronized=True with virtual_batch_size={size} needs each replica's batch size "
+            "when the step is traced; here it is known only at run time (batch the data with "
+            f"drop_remainder=True). Received: virtual_batch_size={size}, replicas={replicas}"
+        )
+    if per_replica % size == 0:
+        return 1, (size if size < per_replica else None)
+    if size % per_replica == 0 and replicas % (size // per_replica) == 0:
+        return size // per_replica, None
+    raise ValueError(
+        f"virtual_batch_size={size} must tile the global batch of {replicas} replicas of "
+        f"{per_replica} examples: divide a replica's batch, or be a multiple of it by a divisor "
+        f"of the replica count. Received: virtual_batch_size={size}, "
+        f"per-replica batch={per_replica}, replicas={replicas}"
+    )
 
 
 def cast(x, dtype):

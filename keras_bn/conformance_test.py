@@ -53,14 +53,22 @@ PATHS = {
     # The merged-moments kernel ops (TensorFlow), which the rule takes on large inputs only.
     "sync_fused": {"synchronized": True, "fused": True},
     "ghost": {"virtual_batch_size": 2},
+    # Every 4 examples, whatever the replicas hold: groups of 2 (TF: 2 per replica) or 4 (JAX: 1).
+    "sync_examples": {"synchronized": True, "virtual_batch_size": 4},
     "mask": {},
     "renorm": {"renorm": True, "renorm_clipping": RENORM_CLIPPING},
     "cumulative": {"momentum": None, "unbiased_variance": True},
     "warmup": {"momentum_warmup": True},
     "guard": {"count_skipped_updates": True},
+    # Batch statistics in inference too: a training call is the default's.
+    "batch_always": {"statistics": "batch"},
+    # Frozen statistics: the moving ones normalise in training, and stay.
+    "frozen": {"statistics": "moving"},
+    # One update per 2 training calls (a single call moves nothing).
+    "accumulate": {"accumulation_steps": 2},
 }
 # Paths Keras' layer has, with its arguments.
-SYNC_PATHS = ("sync", "groups", "sync_fused")
+SYNC_PATHS = ("sync", "groups", "sync_fused", "sync_examples")
 KERAS_PATHS = {"default": {}, "fused": {}, "general": {}, "sync": {}, "mask": {}}
 TRANSFORMS = {
     "tensorflow": ("eager", "function", "xla", "grad2", "hvp", "fit"),
@@ -124,9 +132,10 @@ def refusal(cell):
     if cell.path == "fused" and cell.transform == "xla":
         # XLA expands the op with Var = E[x²] − E[x]² (keras_bn/kernels.py).
         return "fused=True needs a fused batch-norm kernel, but under XLA"
-    if cell.path == "ghost" and cell.transform == "fit":
-        # The last batch of one does not tile into ghost batches of 2.
-        return "virtual_batch_size=2 must divide|must divide each replica's batch"
+    fit_ghost = cell.path == "ghost" or (cell.path == "sync_examples" and BACKEND != "jax")
+    if fit_ghost and cell.transform == "fit":
+        # The last batch of one does not tile into ghost batches (`fit` without a strategy).
+        return "virtual_batch_size=[24] must divide|must divide each replica's batch"
     return None
 
 
@@ -183,6 +192,10 @@ class Case:
         self.gamma = np.linspace(0.5, 1.5, shape[axis])
         self.beta = np.linspace(-0.5, 0.5, shape[axis])
         self.kwargs = dict(PATHS[cell.path], axis=axis, dtype=cell.dtype)
+        # The frozen path's moving statistics, near the data's (mean 3, variance 4).
+        self.moving = None
+        if cell.path == "frozen":
+            self.moving = (np.linspace(2.5, 3.5, shape[axis]), np.linspace(3.0, 5.0, shape[axis]))
 
     def reference(self, masked=True):
         """The float64 reference; `masked=False` for calls without the mask (fit)."""
@@ -191,6 +204,8 @@ class Case:
             slices = self.x.shape[0] // 2
         elif self.cell.path == "groups":
             slices = REPLICAS // 2
+        elif self.cell.path == "sync_examples":
+            slices = self.x.shape[0] // 4
         weights = None
         if self.mask is not None and masked:
             weights = self.mask[..., None].astype(np.float64)
@@ -199,6 +214,7 @@ class Case:
             slices=slices,
             weights=weights,
             clipping=RENORM_CLIPPING if self.cell.path == "renorm" else None,
+            statistics=self.moving,
         )
         return training_reference.Reference(setting, self.gamma, self.beta, self.w1, self.w2)
 
@@ -211,6 +227,11 @@ class Case:
         else:
             kwargs, cls = self.kwargs, keras_bn.BatchNormalization
         dtype = "float64" if self.cell.dtype == "float64" else "float32"
+        if self.moving is not None:
+            mean, variance = (keras.initializers.Constant(v.astype(dtype)) for v in self.moving)
+            kwargs = dict(
+                kwargs, moving_mean_initializer=mean, moving_variance_initializer=variance
+            )
         return cls(
             gamma_initializer=keras.initializers.Constant(self.gamma.astype(dtype)),
             beta_initializer=keras.initializers.Constant(self.beta.astype(dtype)),
@@ -232,8 +253,14 @@ def expected(case):
         "unbiased": cell.path == "cumulative",
         "warmup": cell.path == "warmup",
         "renorm": cell.path == "renorm",
+        "accumulation_steps": 2 if cell.path == "accumulate" else None,
     }
+    frozen = {}
+    if case.moving is not None:  # Never moved.
+        frozen = {"moving_mean": case.moving[0], "moving_variance": case.moving[1]}
     if cell.transform == "fit":
+        if frozen:
+            return frozen
         data = fit_data(case).astype(np.float64)
         batches = np.split(data, range(FIT_BATCH, len(data), FIT_BATCH))
         moments = [case.reference(masked=False).moments(b) for b in batches]
@@ -254,7 +281,7 @@ def expected(case):
         out["hvp"] = reference.hessian_vector(x, case.v)
     mean, variance = training_reference.moving_statistics([reference.moments(x)], **rule)
     out["moving_mean"], out["moving_variance"] = mean, variance
-    return out
+    return {**out, **frozen}
 
 
 def relative_error(actual, reference):

@@ -39,6 +39,11 @@ class FoldedBatchNorm(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
+    def get_config(self):
+        # Defined here, Keras' automatic config (which fails on the dtype
+        # policy object it is given) is not used: the base arguments suffice.
+        return super().get_config()
+
 
 def _graph(model):
     """`(callers, consumers)` of a Sequential or functional model's layers.
@@ -155,6 +160,9 @@ def _plan(model):
         calls = callers.get(bn.name, [])
         if len(calls) != 1 or len(calls[0]) != 1:
             reasons[bn.name] = "kept: it is called more than once or on several inputs"
+            continue
+        if bn.statistics == "batch":  # Its inference is no fixed affine map.
+            reasons[bn.name] = "kept: statistics='batch' normalises with batch statistics"
             continue
         producer, consumer = calls[0][0], only_consumer.get(bn.name)
         why_not_after = _why_not_after(bn, producer, layers, callers, consumers)

@@ -1,5 +1,8 @@
 """Tests of keras_bn.fold_batch_norm."""
 
+import os
+import tempfile
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
@@ -91,6 +94,24 @@ class FoldTest(parameterized.TestCase):
         )
         x = np.random.RandomState(1).randn(5, 8, 8, 3).astype(np.float32)
         self._check(model, x, ["bn1", "bn2"])
+
+    def test_folded_model_saves_and_loads(self):
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(4, use_bias=False, name="dense"),
+                keras_bn.BatchNormalization(name="bn", dtype="mixed_bfloat16"),
+                keras.layers.Activation("sigmoid"),
+            ]
+        )
+        x = np.random.RandomState(2).randn(3, 6).astype(np.float32)
+        folded = self._check(model, x, ["bn"], rtol=1e-2)
+        path = os.path.join(tempfile.mkdtemp(), "folded.keras")
+        folded.save(path)
+        loaded = keras.saving.load_model(path)
+        self.assertIsInstance(loaded.get_layer("bn"), folding.FoldedBatchNorm)
+        self.assertEqual(loaded.get_layer("bn").dtype_policy.name, "mixed_bfloat16")
+        np.testing.assert_array_equal(_numpy(loaded(x)), _numpy(folded(x)))
 
     def _channels_first_model(self):
         # Spatial sizes differ from the channel count: Keras 3.15's own
@@ -316,6 +337,26 @@ class FoldTest(parameterized.TestCase):
         folded = keras_bn.fold_batch_norm(model)
         for got, expected in zip(folded(x), model(x, training=False)):
             np.testing.assert_allclose(_numpy(got), _numpy(expected), rtol=1e-6, atol=1e-6)
+
+    def test_batch_statistics_at_inference_keep_the_layer(self):
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(3, name="dense"),
+                keras_bn.BatchNormalization(statistics="batch", name="bn_batch"),
+                keras_bn.BatchNormalization(statistics="moving", name="bn_frozen"),
+            ]
+        )
+        plan = keras_bn.folding_plan(model)
+        self.assertEqual(
+            plan["bn_batch"], "kept: statistics='batch' normalises with batch statistics"
+        )
+        self.assertIn("kept", plan["bn_frozen"])  # Its input is the kept layer.
+        x = np.random.RandomState(11).randn(6, 4).astype(np.float32) * 3.0 + 1.0
+        folded = keras_bn.fold_batch_norm(model)
+        np.testing.assert_allclose(
+            _numpy(folded(x)), _numpy(model(x, training=False)), rtol=1e-5, atol=1e-5
+        )
 
     def test_operations_subclasses_and_quantized_or_lora_layers_keep_their_layers(self):
         class Standardized(keras.layers.Dense):

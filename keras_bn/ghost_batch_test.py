@@ -180,10 +180,10 @@ class GhostBatchTest(parameterized.TestCase):
         ("bool", TypeError, {"virtual_batch_size": True}, r"Received: virtual_batch_size=True"),
         ("one", ValueError, {"virtual_batch_size": 1}, r"Received: virtual_batch_size=1"),
         (
-            "synchronized",
+            "sync_group_size",
             ValueError,
-            {"virtual_batch_size": 4, "synchronized": True},
-            r"Received: virtual_batch_size=4, synchronized=True",
+            {"virtual_batch_size": 4, "synchronized": True, "sync_group_size": 2},
+            r"pass it or sync_group_size\. Received: virtual_batch_size=4, sync_group_size=2",
         ),
     )
     def test_rejects_in_init(self, error, kwargs, pattern):

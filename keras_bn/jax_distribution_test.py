@@ -66,7 +66,7 @@ def _layer(momentum=0.5, **kwargs):
     return layer
 
 
-def _training_step(x, **layer_kwargs):
+def _training_step(x, upstream=UPSTREAM, **layer_kwargs):
     """One jitted training step of a fresh layer on `x` laid out over the batch axis.
 
     Returns `(layer, y, ((dgamma, dbeta), dx), updated_non_trainable)`.
@@ -79,7 +79,7 @@ def _training_step(x, **layer_kwargs):
             trainable,
             non_trainable,
             _distribute(distribution, x),
-            _distribute(distribution, UPSTREAM),
+            _distribute(distribution, upstream),
         )
     return (layer, *outputs)
 
@@ -99,8 +99,31 @@ class JaxDistributionTest(parameterized.TestCase):
 
     @parameterized.named_parameters(*SETTINGS)
     def test_matches_float64_reference_on_regrouped_batch(self, kwargs, slices):
-        layer, y, ((dgamma, dbeta), dx), updated = _training_step(X, **kwargs)
-        expected = references.reference_sliced_batch_norm(X, UPSTREAM, GAMMA, BETA, slices, EPSILON)
+        self._check_step(X, UPSTREAM, kwargs, slices)
+
+    @parameterized.named_parameters(("groups_of_4", 2), ("each_replica", 8), ("ghost", 32))
+    def test_normalisation_batch_in_examples(self, per_replica):
+        """synchronized=True, virtual_batch_size=8: every 8 consecutive examples, any b."""
+        batch = REPLICAS * per_replica
+        rng = np.random.RandomState(per_replica)
+        # Every 4 examples their own offset: each choice of 8 gives other statistics.
+        offsets = np.repeat(np.arange(batch // 4) * 1.5, 4)[:, None]
+        x = (rng.randn(batch, CHANNELS) * 2.0 + offsets).astype(np.float32)
+        upstream = rng.randn(batch, CHANNELS).astype(np.float32)
+        kwargs = {"synchronized": True, "virtual_batch_size": 8}
+        self._check_step(x, upstream, kwargs, batch // 8)
+
+    @parameterized.named_parameters(
+        ("not_a_divisor_nor_multiple", 12, r"virtual_batch_size=12 must tile the global batch"),
+        ("groups_not_dividing_replicas", 48, r"per-replica batch=8, replicas=8"),
+    )
+    def test_normalisation_batch_that_does_not_tile_is_refused(self, size, pattern):
+        with self.assertRaisesRegex(ValueError, pattern):
+            _training_step(X, synchronized=True, virtual_batch_size=size)
+
+    def _check_step(self, x, upstream, kwargs, slices):
+        layer, y, ((dgamma, dbeta), dx), updated = _training_step(x, upstream, **kwargs)
+        expected = references.reference_sliced_batch_norm(x, upstream, GAMMA, BETA, slices, EPSILON)
         for name, value in (("y", y), ("dx", dx), ("dgamma", dgamma), ("dbeta", dbeta)):
             np.testing.assert_allclose(
                 np.asarray(value, np.float64), expected[name], rtol=1e-5, atol=1e-5, err_msg=name
@@ -133,6 +156,34 @@ class JaxDistributionTest(parameterized.TestCase):
         np.testing.assert_allclose(
             _moving(layer, updated, "moving_variance"), expected["variance"], rtol=1e-3
         )
+
+    @parameterized.named_parameters(("local", False), ("synchronized", True))
+    def test_accumulation_in_fit_follows_the_optimizer(self, synchronized):
+        """`gradient_accumulation_steps=2` over 8 devices: one update per optimizer step."""
+        per_replica = 2
+        batch = REPLICAS * per_replica
+        rng = np.random.RandomState(3)
+        offsets = np.repeat(np.arange(4 * REPLICAS) * 1.5, per_replica)[:, None]
+        x = (rng.randn(4 * batch, CHANNELS) * 2.0 + offsets).astype(np.float32)
+        with _data_parallel().scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((CHANNELS,)),
+                    keras_bn.BatchNormalization(
+                        accumulation_steps=2, momentum=None, synchronized=synchronized, name="bn"
+                    ),
+                    keras.layers.Dense(1),
+                ]
+            )
+            model.compile(keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), "mse")
+            model.fit(x, np.zeros((len(x), 1)), batch_size=batch, shuffle=False, verbose=0)
+        bn = model.get_layer("bn")
+        self.assertEqual(float(bn.moving_batches.numpy()), 2.0)  # 4 without accumulation.
+        # Each replica's 2 examples (or the global batch) are a slice; the two merges average.
+        size = batch if synchronized else per_replica
+        slices = np.asarray(x, np.float64).reshape(-1, size, CHANNELS)
+        np.testing.assert_allclose(bn.moving_mean.numpy(), slices.mean(1).mean(0), rtol=1e-5)
+        np.testing.assert_allclose(bn.moving_variance.numpy(), slices.var(1).mean(0), rtol=1e-5)
 
     def test_fit_with_synchronized_layer_matches_single_device(self):
         rng = np.random.RandomState(2)

@@ -3,7 +3,10 @@
 `update` takes the current moving statistics and one training batch's
 moments and returns the new values; `BatchNormalization` assigns them after
 each training step, and `estimate_population_statistics` accumulates its
-population averages with the same rule.
+population averages with the same rule. With gradient accumulation
+(`accumulation_steps=k`) the batch is a micro-batch: its moments are merged
+into accumulators (`ACCUMULATORS`), and every k-th the statistics take one
+step from the merge.
 """
 
 import dataclasses
@@ -31,6 +34,8 @@ class Rule:
             `skip_nonfinite`).
         momentum_warmup: use min(momentum, (1 + t)/(10 + t)) at update t
             (TensorFlow's `ExponentialMovingAverage(num_updates=t)` rule).
+        accumulation_steps: `None`, or k: one update per k batches, from
+            their merged moments (`update`).
     """
 
     momentum: float | None
@@ -40,6 +45,19 @@ class Rule:
     skip_nonfinite: bool = False
     count_skipped: bool = False
     momentum_warmup: bool = False
+    accumulation_steps: int | None = None
+
+
+# The state of `accumulation_steps`: micro-batches seen (a scalar), and per
+# feature those with values, their summed counts, count-weighted mean and
+# count-weighted (biased) variance.
+ACCUMULATORS = (
+    "accumulated_steps",
+    "accumulated_batches",
+    "accumulated_count",
+    "accumulated_mean",
+    "accumulated_variance",
+)
 
 
 def update(rule, state, mean, variance, count, weight=1.0):
@@ -65,12 +83,17 @@ def update(rule, state, mean, variance, count, weight=1.0):
     to "skipped_updates", as does a batch with values that moved no feature
     (one value per feature); an empty batch is not counted.
 
+    With `rule.accumulation_steps=k` the batch is one of k micro-batches
+    (`_after_accumulation`): the state changes once per k batches, as above,
+    from their pooled moments.
+
     Args:
         rule: the `Rule`.
         state: dict of the current values: "moving_mean", "moving_variance",
             and "moving_batches" (with `momentum=None`), "moving_stddev",
             "renorm_mean", "renorm_stddev" (with renorm), "num_updates"
-            (with warm-up), "skipped_updates" (with `count_skipped`).
+            (with warm-up), "skipped_updates" (with `count_skipped`), the
+            `ACCUMULATORS` (with `accumulation_steps`).
         mean: the batch's mean per feature (the statistics' shape).
         variance: its biased variance σ²_B, shaped like `mean`.
         count: the values behind each statistic: a scalar (a Python number
@@ -81,6 +104,8 @@ def update(rule, state, mean, variance, count, weight=1.0):
     Returns:
         A dict with the keys of `state` and the new values.
     """
+    if rule.accumulation_steps:
+        return _after_accumulation(rule, state, mean, variance, count, weight)
     batch_variance = variance
     # A count known before run time (a Python number) takes Python
     # arithmetic where the result stays a number, sparing eager calls.
@@ -138,3 +163,38 @@ def update(rule, state, mean, variance, count, weight=1.0):
         skipped = ops.logical_or(ops.logical_not(finite), stuck)
         kept["skipped_updates"] = state["skipped_updates"] + ops.cast(skipped, mean.dtype)
     return kept
+
+
+def _after_accumulation(rule, state, mean, variance, count, weight):
+    """The state after micro-batch t of k: accumulated, and at t = k also updated and reset.
+
+    The k micro-batches pool as ghost batches of one step do: the mean of
+    their means and the mean of their within-batch variances, each weighted
+    by its count m_i (a feature's micro-batches of one value or none add
+    nothing), and the count Σ m_i / k' over the k' micro-batches with values,
+    for which m/(m−1) gives the pooled unbiased Σ M2_i / Σ (m_i − 1). The
+    moving statistics then move once, as after one batch (`update`); the
+    accumulators are always updated, whatever `skip_nonfinite` decides, so a
+    non-finite micro-batch skips the update of its k.
+    """
+    dtype = mean.dtype
+    count = ops.broadcast_to(ops.cast(count, dtype), ops.shape(mean))
+    counted = ops.where(count > 1.0, count, ops.zeros_like(count))
+    total = state["accumulated_count"] + counted
+    share = moments.over_count(counted, total)
+    pooled_mean = state["accumulated_mean"] + (mean - state["accumulated_mean"]) * share
+    pooled_variance = (
+        state["accumulated_variance"] + (variance - state["accumulated_variance"]) * share
+    )
+    batches = state["accumulated_batches"] + ops.cast(count > 1.0, dtype)
+    steps = state["accumulated_steps"] + 1.0
+    one_batch = dataclasses.replace(rule, accumulation_steps=None)
+    new = update(
+        one_batch, state, pooled_mean, pooled_variance, moments.over_count(total, batches), weight
+    )
+    done = steps >= rule.accumulation_steps
+    out = {name: ops.where(done, value, state[name]) for name, value in new.items()}
+    accumulated = (steps, batches, total, pooled_mean, pooled_variance)
+    for name, value in zip(ACCUMULATORS, accumulated):
+        out[name] = ops.where(done, ops.zeros_like(value), value)
+    return out

@@ -181,3 +181,23 @@ def _sum_to_shape(value, shape):
 def normalize_with_statistics(x, mean, variance, gamma, beta, epsilon):
     """Inference normalisation y = γ (x − μ) / √(σ² + ε) + β as one FMA."""
     return _affine(x, gamma, beta, mean, variance, epsilon)
+
+
+def renorm_correction(mean, variance, renorm_mean, renorm_stddev, epsilon, clipping):
+    """Batch Renormalization's (r, d) (Ioffe 2017), clipped and held out of the gradient.
+
+    r = σ_B / σ_R and d = (μ_B − μ_R) / σ_R with σ_B = √(σ²_B + ε), clipped to
+    [rmin, rmax] and [−dmax, dmax] by the keys `clipping` has.
+    """
+    stddev = ops.sqrt(variance + epsilon)
+    # σ_R at least √ε: no division by zero early in training.
+    renorm_stddev = ops.maximum(renorm_stddev, ops.cast(epsilon, renorm_stddev.dtype) ** 0.5)
+    r = stddev / renorm_stddev
+    d = (mean - renorm_mean) / renorm_stddev
+    if "rmin" in clipping:
+        r = ops.maximum(r, clipping["rmin"])
+    if "rmax" in clipping:
+        r = ops.minimum(r, clipping["rmax"])
+    if "dmax" in clipping:
+        d = ops.clip(d, -clipping["dmax"], clipping["dmax"])
+    return ops.stop_gradient(r), ops.stop_gradient(d)

@@ -54,6 +54,8 @@ def estimate_population_statistics(model, dataset, num_batches):
     (`moving_statistics.update`, weight n_B); nothing else changes: every
     layer's momentum and non-trainable variables are restored before the
     estimates are written.
+    Layers with frozen statistics (`statistics="moving"`) or not trainable
+    keep theirs; `accumulation_steps` plays no part (every pass is read).
     Layers with `momentum=None` also get `moving_batches` set to the number
     of batches they moved for, so later training continues the same average. The passes
     are compiled once per call on TensorFlow (`tf.function`) and JAX
@@ -76,14 +78,15 @@ def estimate_population_statistics(model, dataset, num_batches):
             no keras_bn layer, or if the dataset yields no batch.
     """
     num_batches = validation.positive_int("num_batches", num_batches)
-    layers = [layer for layer in batch_norm_layers(model) if layer.trainable]
+    # Frozen statistics (`statistics="moving"`) stay as they are, as do a non-trainable layer's.
+    layers = [b for b in batch_norm_layers(model) if b.trainable and b.statistics != "moving"]
     if not layers:
         raise ValueError(
-            "The model contains no trainable keras_bn.BatchNormalization layer. "
-            f"Received: model={model.name}"
+            "The model contains no trainable keras_bn.BatchNormalization layer whose "
+            f"statistics move. Received: model={model.name}"
         )
     saved = [[v.numpy() for v in layer.non_trainable_variables] for layer in layers]
-    momenta = [layer.momentum for layer in layers]
+    settings = [(layer.momentum, layer.accumulation_steps) for layer in layers]
     # Each layer's running population average, in float64 (float32 on JAX
     # without `jax_enable_x64`, ample over a few hundred batches): the rule's
     # cumulative mode with batch weights n_B (v_B arrives corrected already).
@@ -95,7 +98,8 @@ def estimate_population_statistics(model, dataset, num_batches):
     seen, used = 0, [0.0] * len(layers)  # Batches read; batches each layer moved for.
     try:
         for layer in layers:
-            layer.momentum = 0.0  # The moving statistics become the batch's.
+            layer.momentum = 0.0  # The moving statistics become the batch's,
+            layer.accumulation_steps = None  # at every pass.
         training_pass = _training_pass(model)  # Traced after the momentum is 0.
         for batch in dataset:
             if seen == num_batches:
@@ -111,8 +115,8 @@ def estimate_population_statistics(model, dataset, num_batches):
                 used[i] += float(np.max(keras.ops.convert_to_numpy(moved)) > 0.0)
             seen += 1
     finally:
-        for layer, values, momentum in zip(layers, saved, momenta):
-            layer.momentum = momentum
+        for layer, values, (momentum, steps) in zip(layers, saved, settings):
+            layer.momentum, layer.accumulation_steps = momentum, steps
             for variable, value in zip(layer.non_trainable_variables, values):
                 variable.assign(value)
     if seen == 0:

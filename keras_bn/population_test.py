@@ -85,6 +85,34 @@ class PopulationTest(parameterized.TestCase):
         np.testing.assert_allclose(layer.moving_variance, rows[0].var(0), rtol=1e-5)
         self.assertEqual(float(layer.moving_batches), 1.0)
 
+    def test_accumulating_layers_estimate_every_batch_and_frozen_ones_stay(self):
+        model = keras.Sequential(
+            [
+                keras.Input((3,)),
+                keras_bn.BatchNormalization(accumulation_steps=4, name="accumulating"),
+                keras_bn.BatchNormalization(
+                    statistics="moving",
+                    moving_mean_initializer=keras.initializers.Constant(5.0),
+                    name="frozen",
+                ),
+            ]
+        )
+        data = (np.random.RandomState(2).randn(16, 3) * 2 + 1).astype(np.float32)
+        model(data[:8], training=True)  # Leaves one micro-batch accumulated.
+        before = [w.numpy() for w in model.get_layer("frozen").weights]
+        accumulated = model.get_layer("accumulating").accumulated_mean.numpy()
+        estimates = keras_bn.estimate_population_statistics(
+            model, [data[:8], data[8:]], num_batches=2
+        )
+        layer = model.get_layer("accumulating")
+        batches = data.astype(np.float64).reshape(2, 8, 3)
+        np.testing.assert_allclose(layer.moving_mean.numpy(), batches.mean(1).mean(0), rtol=1e-5)
+        np.testing.assert_allclose(layer.moving_variance.numpy(), batches.var(1).mean(0), rtol=1e-5)
+        np.testing.assert_array_equal(layer.accumulated_mean.numpy(), accumulated)
+        self.assertNotIn(model.get_layer("frozen").path, estimates)
+        for a, b in zip(model.get_layer("frozen").weights, before):
+            np.testing.assert_array_equal(a.numpy(), b)
+
     def test_rejects_bad_num_batches(self):
         with self.assertRaisesRegex(ValueError, r"positive int. Received: num_batches=0"):
             keras_bn.estimate_population_statistics(_model(False), [], num_batches=0)
@@ -92,7 +120,8 @@ class PopulationTest(parameterized.TestCase):
     def test_rejects_model_without_layers(self):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         with self.assertRaisesRegex(
-            ValueError, r"no trainable keras_bn.BatchNormalization.*Received: model="
+            ValueError,
+            r"BatchNormalization layer whose statistics move.*Received: model=",
         ):
             keras_bn.estimate_population_statistics(model, [np.ones((2, 3))], num_batches=1)
 

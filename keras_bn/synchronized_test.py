@@ -17,6 +17,7 @@ import tensorflow as tf  # noqa: E402
 from keras_bn import batch_normalization  # noqa: E402
 from keras_bn import batch_plan  # noqa: E402
 from keras_bn import moments  # noqa: E402
+from tests import references  # noqa: E402
 
 BatchNormalization = batch_normalization.BatchNormalization
 
@@ -211,6 +212,78 @@ class MirroredTest(parameterized.TestCase):
                     np.testing.assert_allclose(
                         copy, ref, rtol=1e-5, atol=1e-6, err_msg=f"{name} replica {replica}"
                     )
+
+    @parameterized.named_parameters(
+        ("four_groups_of_4", 4, 2),
+        ("four_each_replica", 4, 8),
+        ("four_ghost", 4, 32),
+        ("two_groups_of_2", 2, 4),
+    )
+    def test_normalisation_batch_in_examples(self, num_replicas, per_replica):
+        """synchronized=True, virtual_batch_size=8: every 8 consecutive examples, any b."""
+        batch = num_replicas * per_replica
+        rng = np.random.RandomState(per_replica)
+        # Every 4 examples their own offset: each choice of 8 gives other statistics.
+        offsets = np.repeat(np.arange(batch // 4) * 1.5, 4)[:, None]
+        x = (rng.randn(batch, 5) * 2.0 + offsets).astype(np.float32)
+        w = rng.randn(batch, 5).astype(np.float32)
+        _, layer, actual = _mirrored(
+            num_replicas,
+            [per_replica] * num_replicas,
+            {},
+            x,
+            w,
+            1,
+            momentum=0.5,
+            virtual_batch_size=8,
+        )
+        expected = references.reference_sliced_batch_norm(x, w, 1.0, 0.0, batch // 8, 1e-3)
+        for name, value in zip(("y", "dx", "dgamma", "dbeta"), actual):
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+        # The checkpointed value: the replicas' copies averaged.
+        np.testing.assert_allclose(layer.moving_mean.numpy(), 0.5 * expected["mean"], atol=1e-5)
+        np.testing.assert_allclose(
+            layer.moving_variance.numpy(), 0.5 + 0.5 * expected["variance"], rtol=1e-5
+        )
+
+    def test_normalisation_batch_that_does_not_tile_is_refused(self):
+        x, w = _data((16, 3), 22)
+        with self.assertRaisesRegex(
+            ValueError, r"Received: virtual_batch_size=12, per-replica batch=4, replicas=4"
+        ):
+            _mirrored(4, [4] * 4, {}, x, w, steps=1, virtual_batch_size=12)  # Groups of 3.
+
+    @parameterized.named_parameters(("local", False), ("synchronized", True))
+    def test_accumulation_in_fit_takes_one_step_per_k_batches(self, synchronized):
+        """accumulation_steps=2 over 4 replicas: one update per 2 batches, replicas alike.
+
+        The optimizer does not accumulate here: Keras 3.15's
+        `gradient_accumulation_steps` fails under MirroredStrategy for any
+        model (`merge_call` inside its `ops.cond`); a custom loop that
+        accumulates gradients itself pairs with the layer as `fit` does.
+        """
+        strategy, per_replica = sync_fixtures.mirrored_cpu_strategy(4), 2
+        rng = np.random.RandomState(4)
+        x = (rng.randn(64, 5) * 2.0 + np.repeat(np.arange(32) * 1.5, 2)[:, None]).astype(np.float32)
+        data = tf.data.Dataset.from_tensor_slices((x, np.zeros((64, 1), np.float32))).batch(8)
+        with strategy.scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((5,)),
+                    BatchNormalization(
+                        accumulation_steps=2, momentum=None, synchronized=synchronized, name="bn"
+                    ),
+                    keras.layers.Dense(1),
+                ]
+            )
+            model.compile(keras.optimizers.SGD(0.01), "mse")
+        model.fit(data, verbose=0)
+        bn = model.get_layer("bn")
+        self.assertEqual(float(bn.moving_batches.numpy()), 4.0)  # 8 batches, 2 per update.
+        # Each replica's 2 examples (or the global 8) are a slice; the merges average.
+        slices = x.astype(np.float64).reshape(-1, 8 if synchronized else per_replica, 5)
+        np.testing.assert_allclose(bn.moving_mean.numpy(), slices.mean(1).mean(0), rtol=1e-5)
+        np.testing.assert_allclose(bn.moving_variance.numpy(), slices.var(1).mean(0), rtol=1e-5)
 
     def test_group_size_must_divide_replica_count(self):
         x, w = _data((8, 3), 21)

@@ -7,6 +7,7 @@ message ends in `Received: name=value`, as Keras' own layers do.
 import numbers
 
 import keras
+from keras import ops
 
 
 def boolean(name, value):
@@ -143,29 +144,31 @@ def sync_group_size(value, synchronized):
     return value
 
 
-def virtual_batch_size(value, synchronized):
-    """Ghost batch size: `None` or an int >= 2, not with synchronisation."""
+def virtual_batch_size(value, sync_group_size):
+    """The normalisation batch in examples: `None` or an int >= 2, not with `sync_group_size`."""
     value = optional_int(
         "virtual_batch_size", value, 2, " (a ghost batch of one example has no spread to normalise)"
     )
-    if value is not None and synchronized:
+    if value is not None and sync_group_size is not None:
         raise ValueError(
-            "Ghost batches are sub-batches of one replica's batch, normalised on their own, "
-            "while synchronized=True merges batches across replicas; use one or the other. "
-            f"Received: virtual_batch_size={value}, synchronized=True"
+            "With synchronized=True, virtual_batch_size already says which replicas share "
+            "statistics (groups of virtual_batch_size / per-replica batch); pass it or "
+            f"sync_group_size. Received: virtual_batch_size={value}, "
+            f"sync_group_size={sync_group_size}"
         )
     return value
 
 
-def count_skipped_updates(value, skip_nonfinite_updates):
-    """Whether to count skipped updates: a bool, only with the guard on."""
-    value = boolean("count_skipped_updates", value)
-    if value and not skip_nonfinite_updates:
+def nonfinite_guard(skip_nonfinite_updates, count_skipped_updates):
+    """`(skip_nonfinite_updates, count_skipped_updates)`: bools, counting only with the guard on."""
+    skip = boolean("skip_nonfinite_updates", skip_nonfinite_updates)
+    count = boolean("count_skipped_updates", count_skipped_updates)
+    if count and not skip:
         raise ValueError(
             "count_skipped_updates counts the updates skip_nonfinite_updates skips, and needs "
             "it on. Received: count_skipped_updates=True, skip_nonfinite_updates=False"
         )
-    return value
+    return skip, count
 
 
 def momentum_warmup(value, momentum):
@@ -177,3 +180,54 @@ def momentum_warmup(value, momentum):
             "cumulative average. Received: momentum_warmup=True, momentum=None"
         )
     return value
+
+
+STATISTICS = ("batch_in_training", "batch", "moving")
+
+
+def statistics(value, renorm):
+    """Which statistics normalise: one of `STATISTICS`; renorm needs the default."""
+    if not isinstance(value, str):
+        raise TypeError(f"`statistics` must be a string. Received: statistics={value!r}")
+    if value not in STATISTICS:
+        raise ValueError(
+            f"`statistics` must be one of {STATISTICS}. Received: statistics={value!r}"
+        )
+    if renorm and value != STATISTICS[0]:
+        raise ValueError(
+            "renorm=True corrects the batch statistics of training towards the moving ones, "
+            f"and needs statistics='{STATISTICS[0]}'. Received: statistics='{value}', renorm=True"
+        )
+    return value
+
+
+def accumulation_steps(value, statistics):
+    """Micro-batches per update of the moving statistics: `None` or an int >= 2, not frozen."""
+    value = optional_int("accumulation_steps", value, 2, " (1 is no accumulation: pass None)")
+    if value is not None and statistics == "moving":
+        raise ValueError(
+            "accumulation_steps paces the updates of the moving statistics, which "
+            "statistics='moving' freezes. "
+            f"Received: accumulation_steps={value}, statistics='moving'"
+        )
+    return value
+
+
+def mask_weights(x, mask, dtype):
+    """A call's `mask` as 0/1 weights of `x`'s rank in `dtype`, or `None` without a mask."""
+    if mask is None:
+        return None
+    expected = tuple(x.shape[:-1])
+    mismatch = len(mask.shape) != len(expected) or any(
+        m not in (None, 1, e) and e is not None for m, e in zip(mask.shape, expected)
+    )
+    if mismatch:
+        raise ValueError(
+            f"Expected `mask` of shape {expected} (the inputs' shape without their last "
+            "axis, size-1 dimensions broadcasting). "
+            f"Received: mask.shape={tuple(mask.shape)}, inputs.shape={tuple(x.shape)}"
+        )
+    mask = ops.convert_to_tensor(mask)  # Keras' meaning, any dtype: counts where non-zero.
+    if keras.backend.standardize_dtype(mask.dtype) != "bool":
+        mask = ops.not_equal(mask, ops.zeros_like(mask))
+    return ops.expand_dims(ops.cast(mask, dtype), -1)

@@ -24,6 +24,7 @@ from trainers.inception import data as image_data
 from trainers.inception import model as inception_model
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import task as inception_task
+from trainers.run import program
 from trainers.run import skeleton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,13 +208,13 @@ class TrainerTest(parameterized.TestCase):
 
     def test_uneven_global_batch_is_rejected(self):
         with self.assertRaisesRegex(ValueError, r"split evenly.*Received: batch_size=5"):
-            _train_and_evaluate(_config(batch_size=5), _TwoReplicaStub())
+            program.check_replicas(_config(batch_size=5).loop(), 2)
 
     def test_group_size_not_dividing_the_replicas_is_rejected(self):
         with self.assertRaisesRegex(
             ValueError, r"--sync_group_size=3 must divide the number of replicas, 2,"
         ):
-            _train_and_evaluate(_config(sync_batch_norm=True, sync_group_size=3), _TwoReplicaStub())
+            program.check_replicas(_config(sync_batch_norm=True, sync_group_size=3).loop(), 2)
 
     def test_config_records_every_flag(self):
         config = _config(learning_rate=0.01, dropout=0.2, sync_batch_norm=True, sync_group_size=2)
@@ -357,12 +358,6 @@ def _trainer_flag_names():
 
 def _train_and_evaluate(config, runner):
     return skeleton.train_and_evaluate(inception_task.InceptionRun(config), config.loop(), runner)
-
-
-class _TwoReplicaStub:
-    """A runner with two replicas, for the checks made before anything is built."""
-
-    num_replicas = 2
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from tests import tensorboard_events
 from trainers import inception_bn
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import table2 as inception_table2
-from trainers.run import errors
 
 
 def setUpModule():
@@ -266,7 +265,7 @@ class SeedsTest(parameterized.TestCase):
     def test_several_seeds_need_all(self):
         with flag_state.trainer_flags(inception_bn, num_seeds=2, variant="bn_x5"):
             with self.assertRaisesRegex(
-                errors.InputError,
+                flags.ValidationError,
                 r"--num_seeds > 1 repeats.*Received: num_seeds=2, variant=bn_x5",
             ):
                 inception_bn.config_from_flags()

@@ -23,7 +23,6 @@ from trainers import inception_bn
 from trainers import mnist_sigmoid
 from trainers.inception import sweep as inception_sweep
 from trainers.reporting import lr_sweep
-from trainers.run import errors
 
 LN10 = math.log(10)
 
@@ -169,7 +168,7 @@ class FlagsTest(parameterized.TestCase):
     def test_inception_sweep_keeps_the_recipes(self, values, received):
         with flag_state.trainer_flags(inception_bn, lr_sweep=["1", "5"], **values):
             with self.assertRaisesRegex(
-                errors.InputError,
+                flags.ValidationError,
                 rf"--lr_sweep trains the inception and bn_baseline.*{received}",
             ):
                 inception_bn.config_from_flags()
@@ -178,7 +177,7 @@ class FlagsTest(parameterized.TestCase):
         if keras.backend.backend() != "jax":
             self.skipTest("The sweep's LRN builds on TensorFlow")
         with flag_state.trainer_flags(inception_bn, lr_sweep=["1"]):
-            with self.assertRaisesRegex(errors.InputError, r"TensorFlow only.*engine=jax"):
+            with self.assertRaisesRegex(flags.ValidationError, r"TensorFlow only.*engine=jax"):
                 inception_bn.config_from_flags()
 
     @parameterized.parameters("bn_x5", "all")

@@ -358,6 +358,12 @@ class InputErrorTest(parameterized.TestCase):
             ],
             r"inception_bn: error: The global batch must split evenly over 2 replicas",
         ),
+        (
+            "seeds_of_one_variant",
+            lambda: [f"--model_dir={tempfile.mkdtemp()}", "--num_seeds=2", "--variant=bn_x5"],
+            r"^inception_bn: error: --num_seeds > 1 repeats Table 2 .*"
+            r"Received: num_seeds=2, variant=bn_x5$",
+        ),
     )
     def test_inception(self, make_args, pattern):
         self._fails_in_one_line("trainers.inception_bn", make_args(), pattern)
@@ -395,9 +401,9 @@ class InputErrorTest(parameterized.TestCase):
         )
         program = (
             "import sys, tensorflow as tf\n"
-            "from trainers.run import data_checks, errors\n"
+            "from trainers.run import data_checks, program\n"
             "data_checks.reads_data_files(sys.argv[1:])\n"
-            "with errors.one_line_errors('reader'):\n"
+            "with program.one_line_errors('reader'):\n"
             "    list(tf.data.TFRecordDataset(sys.argv[1:]))\n"
         )
         line = self._fails_in_one_line("-c", [program, test, shard], r"^reader: error: ")

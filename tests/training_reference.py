@@ -33,6 +33,9 @@ class Setting:
         clipping: `None`, or renorm's clipping dict (its r and d, computed at
             the initial renorm statistics μ_R = 0, σ_R = 1 from the first
             batch a `Reference` sees, are then frozen for its derivatives).
+        statistics: `None`, or the per-feature (mean, variance) that
+            normalise instead of the batch's (`statistics="moving"`): constants
+            to every derivative.
     """
 
     feature_axes: tuple
@@ -40,6 +43,7 @@ class Setting:
     slices: int = 1
     weights: np.ndarray | None = None
     clipping: dict | None = None
+    statistics: tuple | None = None
 
 
 def _split(a, slices):
@@ -80,6 +84,8 @@ class Reference:
         count = np.sum(w, axes, keepdims=True)
         mean = np.sum(w * xs, axes, keepdims=True) / count
         variance = np.sum(w * (xs - mean) ** 2, axes, keepdims=True) / count
+        if s.statistics is not None:
+            mean, variance = (_parameter(v, s, rank) for v in s.statistics)
         inv = 1.0 / np.sqrt(variance + s.epsilon)
         if self.frozen is None:
             r, d = np.ones_like(mean), np.zeros_like(mean)
@@ -114,6 +120,8 @@ class Reference:
         x_hat = (xs - mean) * inv
         sum_g = np.sum(g, axes, keepdims=True)
         sum_g_xhat = np.sum(g * x_hat, axes, keepdims=True)
+        if self.setting.statistics is not None:  # Constants: no path through μ and σ².
+            sum_g = sum_g_xhat = 0.0
         dx = gamma * r * inv * (g - w * (sum_g + x_hat * sum_g_xhat) / count)
         outer = tuple(i for i in range(x.ndim + 1) if i - 1 not in self.setting.feature_axes)
         dgamma = np.sum(g * (r * x_hat + d), outer)
@@ -154,7 +162,14 @@ def _richardson(f, h=1e-3):
 
 
 def moving_statistics(
-    batches, *, momentum=0.99, unbiased=False, warmup=False, renorm=False, epsilon=1e-3
+    batches,
+    *,
+    momentum=0.99,
+    unbiased=False,
+    warmup=False,
+    renorm=False,
+    epsilon=1e-3,
+    accumulation_steps=None,
 ):
     """The moving (mean, variance) after training batches of pooled moments.
 
@@ -163,9 +178,16 @@ def moving_statistics(
             (count: values per feature of one slice).
         momentum, unbiased, warmup, renorm: the layer's rule, from the
             initial state mean 0, variance 1 (renorm: stddev 1).
+        accumulation_steps: `None`, or k: each k consecutive batches pool
+            into one (count-weighted mean of means and of variances, those
+            of one value or none left out); a last incomplete k moves nothing.
 
     A batch of one value per feature or none leaves the state unchanged.
     """
+    shape = np.shape(batches[0][1])
+    if accumulation_steps:
+        k = accumulation_steps
+        batches = [_pooled(batches[i : i + k]) for i in range(0, len(batches) - k + 1, k)]
     mean, variance, stddev, seen = 0.0, 1.0, 1.0, 0
     for count, batch_mean, batch_variance in batches:
         count = np.asarray(count, np.float64)
@@ -186,6 +208,16 @@ def moving_statistics(
             variance = np.maximum(stddev**2 - epsilon, 0.0)
         else:
             variance = variance * (1 - rate) + batch_variance * rate
-    return np.broadcast_to(mean, np.shape(batch_mean)), np.broadcast_to(
-        variance, np.shape(batch_mean)
-    )
+    return np.broadcast_to(mean, shape), np.broadcast_to(variance, shape)
+
+
+def _pooled(batches):
+    """k batches' `(count, mean, variance)` as the one `accumulation_steps` moves with."""
+    counts = np.asarray([np.asarray(c, np.float64) for c, _, _ in batches])
+    weights = np.where(counts > 1, counts, 0.0)
+    total = weights.sum(0)
+    safe = np.where(total > 0, total, 1.0)
+    mean = sum(w * np.asarray(m, np.float64) for w, (_, m, _) in zip(weights, batches)) / safe
+    variance = sum(w * np.asarray(v, np.float64) for w, (_, _, v) in zip(weights, batches)) / safe
+    with_values = (counts > 1).sum(0)
+    return total / np.where(with_values > 0, with_values, 1), mean, variance

@@ -89,8 +89,7 @@ from trainers.inception import table2 as inception_table2
 from trainers.inception import task as inception_task
 from trainers.reporting import console
 from trainers.run import data_checks
-from trainers.run import errors
-from trainers.run import model_dirs
+from trainers.run import program
 from trainers.run import run_config
 from trainers.run import skeleton
 
@@ -154,8 +153,9 @@ def config_from_flags():
     """The `Config` of the parsed flags (called by `main` only).
 
     Raises:
-        errors.InputError: for a refused --num_seeds or --lr_sweep
-            combination (`check_seeds_and_sweep`).
+        flags.ValidationError: for a refused --num_seeds or --lr_sweep
+            combination (`check_seeds_and_sweep`); `program.run` ends it in
+            one line.
     """
     holders = [
         run_flags.MODEL_DIR,
@@ -219,7 +219,7 @@ def config_from_flags():
 
 
 def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_variant, engine):
-    """Raises `errors.InputError` for the --num_seeds and --lr_sweep combinations refused.
+    """Raises `flags.ValidationError` for the --num_seeds and --lr_sweep combinations refused.
 
     --num_seeds > 1 repeats --variant=all only; --lr_sweep trains the
     inception and bn_baseline recipes as they are (so no other --variant and
@@ -238,7 +238,7 @@ def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_varia
         engine: the Keras backend the run trains on.
     """
     if num_seeds > 1 and variant != "all":
-        raise errors.InputError(
+        raise flags.ValidationError(
             "--num_seeds > 1 repeats Table 2 in miniature (--variant=all) over seeds; train one "
             "variant's seeds each with its own --seed and --model_dir. "
             f"Received: num_seeds={num_seeds}, variant={variant}"
@@ -249,14 +249,14 @@ def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_varia
     if variant not in (default_variant, "all"):
         given.insert(0, f"variant={variant}")
     if given:
-        raise errors.InputError(
+        raise flags.ValidationError(
             "--lr_sweep trains the inception and bn_baseline recipes as they are, each at its "
             "learning rate × each multiplier: drop --variant (or pass --variant=all), "
             "--learning_rate, --dropout, --weight_decay and --lr_decay_steps. "
             f"Received: {', '.join(given)}"
         )
     if engine != "tensorflow":
-        raise errors.InputError(
+        raise flags.ValidationError(
             "--lr_sweep trains inception and bn_baseline, whose local response normalisation "
             "(tf.nn.local_response_normalization) builds on TensorFlow only: run the sweep "
             f"under KERAS_BACKEND=tensorflow. Received: engine={engine}"
@@ -264,43 +264,36 @@ def check_seeds_and_sweep(variant, num_seeds, lr_sweep, overrides, default_varia
 
 
 def main(argv):
-    console.quiet_libraries()
-    with errors.one_line_errors("inception_bn"):
-        if len(argv) > 1:
-            raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
-        config = config_from_flags()
-    # From the runner on, a lost peer too ends the run in one line.
-    with (
-        errors.one_line_errors("inception_bn"),
-        config.reporting_lost_workers("inception_bn", config.model_dir),
-    ):
-        model_dirs.check_model_dir(config.model_dir, TRAINER)
-        spec = image_data.dataset_spec(config.dataset, config.data_dir)
-        # The strategy comes first: datasets and variables are created under it,
-        # and a multi-worker strategy must start before TensorFlow's runtime,
-        # which the data checks (reading the shards) start.
-        runner = config.create_runner()
-        if not config.use_fake_data:
-            image_data.check_prepared(spec, config.data_dir, config.batch_size)
-            data_checks.reads_data_files(image_data.shard_paths(spec, config.data_dir))
-        skeleton.check_replicas(config.loop(), runner.num_replicas)
+    program.run("inception_bn", TRAINER, argv, config_from_flags, train_runs)
+
+
+def train_runs(config):
+    """Trains what `config` asks for; returns the histories to check for divergence, or None."""
+    spec = image_data.dataset_spec(config.dataset, config.data_dir)
+    # The strategy comes first: datasets and variables are created under it,
+    # and a multi-worker strategy must start before TensorFlow's runtime,
+    # which the data checks (reading the shards) start.
+    runner = config.create_runner()
+    if not config.use_fake_data:
+        image_data.check_prepared(spec, config.data_dir, config.batch_size)
+        data_checks.reads_data_files(image_data.shard_paths(spec, config.data_dir))
+    program.claim(config, TRAINER, config.loop(), runner)
+    if config.mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    train = lambda one: train_variant(one, spec, runner)
+    if config.lr_sweep:
+        inception_sweep.run(config, train, spec.num_classes, writes=runner.is_chief)
+        return None
+    if config.variant == "all":
+        inception_table2.run(config, train, writes=runner.is_chief)
         if runner.is_chief:
-            model_dirs.claim_model_dir(config.model_dir, TRAINER)
-        if config.mixed_precision:
-            keras.mixed_precision.set_global_policy("mixed_bfloat16")
-        train = lambda one: train_variant(one, spec, runner)
-        if config.lr_sweep:
-            inception_sweep.run(config, train, spec.num_classes, writes=runner.is_chief)
-        elif config.variant == "all":
-            inception_table2.run(config, train, writes=runner.is_chief)
-            if runner.is_chief:
-                files = {"summary": "summary.json", "table 2": "table2.md"}
-                console.show([""] + console.result_paths(config.model_dir, files))
-        else:
-            history = train(config)
-            if runner.is_chief:
-                show_result(config, history)
-            errors.check_converged({config.variant: history})
+            files = {"summary": "summary.json", "table 2": "table2.md"}
+            console.show([""] + console.result_paths(config.model_dir, files))
+        return None
+    history = train(config)
+    if runner.is_chief:
+        show_result(config, history)
+    return {config.variant: history}
 
 
 def show_result(config, history):

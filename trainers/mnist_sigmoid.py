@@ -63,10 +63,8 @@ from trainers.mnist import data as mnist_data
 from trainers.mnist import model as mnist_model
 from trainers.mnist import report as mnist_report
 from trainers.mnist import task as mnist_task
-from trainers.reporting import console
 from trainers.reporting import lr_sweep
-from trainers.run import errors
-from trainers.run import model_dirs
+from trainers.run import program
 from trainers.run import run_config
 from trainers.run import skeleton
 
@@ -197,50 +195,40 @@ def run_sweep(config, runner, data, root):
 
 
 def main(argv):
-    console.quiet_libraries()
-    with errors.one_line_errors("mnist_sigmoid"):
-        if len(argv) > 1:
-            raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
-        config = config_from_flags()
-    # From the runner on, a lost peer too ends the run in one line.
-    with (
-        errors.one_line_errors("mnist_sigmoid"),
-        config.reporting_lost_workers("mnist_sigmoid", config.model_dir),
-    ):
-        model_dirs.check_model_dir(config.model_dir, TRAINER)
-        # The runner comes first: datasets and variables are created under it,
-        # and a multi-worker strategy must start before TensorFlow's runtime,
-        # which the data checks (reading the shards) start.
-        runner = config.create_runner()
-        mnist_data.check_prepared(config.data_dir, config.batch_size, config.train_subset)
-        skeleton.check_replicas(config.loop(config.networks[0], config.seed), runner.num_replicas)
-        if runner.is_chief:
-            model_dirs.claim_model_dir(config.model_dir, TRAINER)
-        train, test = mnist_task.load_data(config)
-        root = None
-        if runner.is_chief:
-            networks = [RUN_NAMES[n] for n in config.networks]
-            root = mnist_report.root_writer_with_dashboards(
-                config.model_dir, networks, Config.identity_names()
-            )
-        if config.lr_sweep:
-            run_sweep(config, runner, (train, test), root)
-            return
-        runs = {RUN_NAMES[norm]: [] for norm in config.networks}
-        for seed in config.seeds:  # Both networks of a seed, then the next seed.
-            for norm in config.networks:
-                task = mnist_task.MnistRun(config, norm, seed, train, test)
-                history = skeleton.train_and_evaluate(task, config.loop(norm, seed), runner)
-                runs[RUN_NAMES[norm]].append(history)
-        if runner.is_chief:  # Only the chief writes the run's results.
-            mnist_task.write_results(config, runs, root)
-        errors.check_converged(
-            {
-                f"{network} seed {seed}": history
-                for network, histories in runs.items()
-                for seed, history in zip(config.seeds, histories)
-            }
+    program.run("mnist_sigmoid", TRAINER, argv, config_from_flags, train_runs)
+
+
+def train_runs(config):
+    """Trains the runs `config` asks for; returns their histories by name (None for a sweep)."""
+    # The runner comes first: datasets and variables are created under it,
+    # and a multi-worker strategy must start before TensorFlow's runtime,
+    # which the data checks (reading the shards) start.
+    runner = config.create_runner()
+    mnist_data.check_prepared(config.data_dir, config.batch_size, config.train_subset)
+    program.claim(config, TRAINER, config.loop(config.networks[0], config.seed), runner)
+    train, test = mnist_task.load_data(config)
+    root = None
+    if runner.is_chief:
+        networks = [RUN_NAMES[n] for n in config.networks]
+        root = mnist_report.root_writer_with_dashboards(
+            config.model_dir, networks, Config.identity_names()
         )
+    if config.lr_sweep:
+        run_sweep(config, runner, (train, test), root)
+        return None
+    runs = {RUN_NAMES[norm]: [] for norm in config.networks}
+    for seed in config.seeds:  # Both networks of a seed, then the next seed.
+        for norm in config.networks:
+            task = mnist_task.MnistRun(config, norm, seed, train, test)
+            history = skeleton.train_and_evaluate(task, config.loop(norm, seed), runner)
+            runs[RUN_NAMES[norm]].append(history)
+    if runner.is_chief:  # Only the chief writes the run's results.
+        mnist_task.write_results(config, runs, root)
+    return {
+        f"{network} seed {seed}": history
+        for network, histories in runs.items()
+        for seed, history in zip(config.seeds, histories)
+    }
 
 
 if __name__ == "__main__":

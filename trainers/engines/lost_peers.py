@@ -29,7 +29,7 @@ import sys
 
 from absl import logging
 
-from trainers.run import errors
+from trainers.reporting import console
 
 _JOB_ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 _NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
@@ -56,7 +56,7 @@ def reporting(engine, distribution_strategy, program, model_dir):
     """The context that ends a multi-process run that lost a peer in one line.
 
     Wrap everything from the runner's creation on (steps, evaluations and
-    checkpoint saves all run collectives), inside `errors.one_line_errors`.
+    checkpoint saves all run collectives), inside `program.one_line_errors`.
     Outside a multi-worker TensorFlow run or a multi-process JAX job nothing
     is turned. `program` starts the line the watcher prints; `model_dir` is
     where the last checkpoint is found.
@@ -68,7 +68,7 @@ def reporting(engine, distribution_strategy, program, model_dir):
     return contextlib.nullcontext()
 
 
-class WorkerLostError(errors.InputError):
+class WorkerLostError(Exception):
     """A worker of a multi-worker TensorFlow run was lost: one line naming it, how to resume."""
 
 
@@ -190,7 +190,7 @@ def _end_process(line, watcher):
     with a dump. With a `watcher`, descriptor 2 is detached from the console
     first, so that a fatal dump JAX's client starts meanwhile cannot reach it.
     """
-    print(errors.one_line(line), file=sys.stderr, flush=True)
+    print(console.one_line(line), file=sys.stderr, flush=True)
     sys.stdout.flush()
     if watcher is not None:
         watcher.detach()

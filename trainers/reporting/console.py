@@ -164,6 +164,14 @@ def diverged(name, step, problem, last_checkpoint, on_divergence):
     )
 
 
+def one_line(message, limit=None):
+    """`message` (an error, or any text) on one line, cut to `limit` characters if given."""
+    text = " ".join(str(message).split())  # One line, whatever the message held.
+    if limit is not None and len(text) > limit:
+        return text[:limit] + "..."
+    return text
+
+
 def table(headers, rows):
     """Rows as an aligned plain-text table (a list of lines)."""
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]

@@ -15,6 +15,7 @@ import tempfile
 from absl import logging
 import tensorflow as tf
 
+from trainers.reporting import console
 from trainers.run import errors
 from trainers.run import model_dirs
 
@@ -68,7 +69,7 @@ def _one_line(error, limit=300):
     settings) is left out: the cause comes before it.
     """
     text = str(error).split(" [tensorstore_spec=")[0]
-    return f"{type(error).__name__}: {errors.one_line(text, limit)}"
+    return f"{type(error).__name__}: {console.one_line(text, limit)}"
 
 
 def checkpoint_prefixes(checkpoint_dir):

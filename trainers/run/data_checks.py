@@ -4,7 +4,7 @@
 built: its version directory, the shard files TFDS's own `DatasetInfo` lists
 (`tfds.builder_from_directory`), and as far as is cheap their TFRecord
 framing and checksums (TFDS checks no shard before reading it). What it
-cannot see, a corrupt record met in training, `one_line_errors` names
+cannot see, a corrupt record met in training, `program.one_line_errors` names
 through `name_corrupt_file`. The trainers get TFDS builders, splits and
 infos through here too (`prepared_builder`, `load_split`,
 `classification_info`), so a missing or unsuitable data set is one line.
@@ -14,6 +14,7 @@ import difflib
 import os
 import re
 import struct
+import sys
 
 from google.protobuf import json_format
 
@@ -251,7 +252,7 @@ _RECORD_FRAMING = _RECORD_HEADER + 4
 # summed, and their framing walked when the sizes disagree with
 # dataset_info.json, since reading ImageNet's 1,000 shards takes many minutes.
 # What these checks cannot see is named when training meets it
-# (`one_line_errors`, `reads_data_files`).
+# (`program.one_line_errors`, `reads_data_files`).
 VERIFY_BYTES = 256 * 2**20
 _CHECK_BATCH = 16_384  # Records TensorFlow reads per step of a checksum pass.
 
@@ -377,7 +378,7 @@ def corrupt_data_error(error, shard_paths):
 
 
 def reads_data_files(paths):
-    """Records `paths` as the data files this process reads, for `one_line_errors` to name.
+    """Records `paths` as the data files this process reads, for `program.one_line_errors` to name.
 
     The checks before training see only what is cheap to see (`check_tfds_data`);
     a corrupt record met later ends the run in one line naming its file.
@@ -391,5 +392,9 @@ def name_corrupt_file(error):
     None when this process recorded no data files (`reads_data_files`): a
     traceback then says more than a guess. Otherwise the error names the
     one file holding the bad record, or the candidates (`corrupt_data_error`).
+    Also None for any error but TensorFlow's `DataLossError`.
     """
-    return corrupt_data_error(error, _DATA_FILES) if _DATA_FILES else None
+    tf = sys.modules.get("tensorflow")  # Before TensorFlow is imported, nothing raises it.
+    if not _DATA_FILES or tf is None or not isinstance(error, tf.errors.DataLossError):
+        return None
+    return corrupt_data_error(error, _DATA_FILES)

@@ -1,13 +1,11 @@
-"""The trainers' input errors, and the one line a person sees for them.
+"""The trainers' input errors, and a full disk said once.
 
-Bad flags, --model_dir or data raise an `InputError` (or a subclass); a
-trainer's `main` runs inside `one_line_errors`, which ends the process with
-one line on stderr instead of a traceback. So do a corrupt record met while
-training (named by `data_checks`), a run that diverged, a run stopped on
-SIGTERM or SIGINT (`preemption`), a Ctrl-C after a stop was asked, and a
-full disk (`disk_full`), whose dozens of tracebacks from orbax's writer
-threads are kept off the console (`without_disk_full_noise`,
-`quiet_disk_full_in_threads`) so that the line stands alone.
+Bad flags, --model_dir or data raise an `InputError` (or a subclass), which
+a trainer's `main` (`program.one_line_errors`) ends in one line on stderr
+instead of a traceback. So does a full disk (`disk_full`), whose dozens of
+tracebacks from orbax's writer threads are kept off the console
+(`without_disk_full_noise`, `quiet_disk_full_in_threads`) so that the line
+stands alone.
 """
 
 import contextlib
@@ -20,9 +18,6 @@ import threading
 import time
 
 from absl import logging
-
-from trainers.reporting import console
-from trainers.run import preemption
 
 
 class InputError(ValueError):
@@ -39,53 +34,6 @@ class CorruptDataError(InputError):
 
 class Diverged(InputError):
     """Runs that diverged (`trainers.run.divergence`): their results are those of diverged runs."""
-
-
-def check_converged(histories):
-    """Raises `Diverged` naming the first of `histories` (name → history) that diverged."""
-    diverged = {name: h["diverged"] for name, h in histories.items() if h.get("diverged")}
-    if diverged:
-        name, first = next(iter(diverged.items()))
-        raise Diverged(
-            f"{len(diverged)} of {len(histories)} runs diverged ({name} at step "
-            f"{first['step']}: {first['reason']}); their results are recorded as diverged."
-        )
-
-
-@contextlib.contextmanager
-def one_line_errors(program):
-    """Turns an `InputError` raised inside into `program: error: ...` on stderr, exit status 1.
-
-    So too TensorFlow's `DataLossError`, a corrupt record met while reading
-    data: the line names which of the files given to
-    `data_checks.reads_data_files` holds it. A Ctrl-C ends in one line too,
-    exit status 130: where the run stood and its last checkpoint
-    (`console.Interrupted`), or only that it was interrupted; a run stopped
-    on a signal (`preemption.Stopped`) with the signal's status. An error
-    caused by a full disk, on either engine, is one line naming the file.
-    """
-    try:
-        yield
-    except InputError as error:
-        sys.exit(f"{program}: error: {one_line(error)}")
-    except preemption.Stopped as stopped:
-        print(f"{program}: {stopped}", file=sys.stderr)
-        sys.exit(stopped.exit_status)
-    except console.Interrupted as interrupted:
-        print(f"{program}: {interrupted}", file=sys.stderr)
-        sys.exit(130)  # The shell's status for a Ctrl-C.
-    except KeyboardInterrupt:
-        print(f"{program}: interrupted; relaunch the same command to resume", file=sys.stderr)
-        sys.exit(130)
-    except Exception as error:
-        full = disk_full(error)
-        if full is None and isinstance(error, _data_loss_errors()):
-            from trainers.run import data_checks  # It raises this module's errors: imported here.
-
-            full = data_checks.name_corrupt_file(error)
-        if full is None:
-            raise  # A bug, or nothing this knows: a traceback says more than a guess.
-        sys.exit(f"{program}: error: {one_line(full)}")
 
 
 def disk_full(error):
@@ -106,20 +54,6 @@ def disk_full(error):
     return None
 
 
-def _data_loss_errors():
-    """TensorFlow's `DataLossError` once TensorFlow is imported (before, nothing raises it)."""
-    tf = sys.modules.get("tensorflow")
-    return (tf.errors.DataLossError,) if tf is not None else ()
-
-
-def one_line(message, limit=None):
-    """`message` (an error, or any text) on one line, cut to `limit` characters if given."""
-    text = " ".join(str(message).split())  # One line, whatever the message held.
-    if limit is not None and len(text) > limit:
-        return text[:limit] + "..."
-    return text
-
-
 @contextlib.contextmanager
 def without_disk_full_noise():
     """Passes what is written to file descriptor 2 (by Python or C threads) on, but for the
@@ -127,7 +61,7 @@ def without_disk_full_noise():
 
     Orbax's writer threads print dozens of them (some from C, past Python's
     hooks), several threads at once, so their lines interleave; the save's
-    own error says it in one line (`one_line_errors`). Lines pass on
+    own error says it in one line (`program.one_line_errors`). Lines pass on
     live until a traceback starts; from there on they are held until the
     save ends, then dropped if it failed on a full disk, else passed on.
     """
@@ -198,7 +132,7 @@ def quiet_disk_full_in_threads():
     Each of its threads logs or raises the same `No space left on device`
     (and, once its event loop is closed, `Event loop is closed`): dozens of
     tracebacks burying the one line that says it, which the save's own error
-    becomes (`one_line_errors`). Records without those marks pass.
+    becomes (`program.one_line_errors`). Records without those marks pass.
     """
     if isinstance(threading.excepthook, _QuietExcepthook):
         return

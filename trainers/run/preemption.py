@@ -54,7 +54,7 @@ class Stopped(KeyboardInterrupt):
     """A run stopped on a signal at `step`, its work checkpointed (or why not).
 
     A `KeyboardInterrupt`, so no `except Exception` on its way out swallows
-    it; `one_line_errors` prints it and exits with `exit_status`.
+    it; `program.one_line_errors` prints it and exits with `exit_status`.
     """
 
     def __init__(self, name, step, signal_received, saved):

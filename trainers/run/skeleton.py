@@ -25,10 +25,8 @@ import time
 from absl import logging
 import keras
 
-from flags import distribution_flags as distribution_flags
 from trainers.reporting import console
 from trainers.run import divergence
-from trainers.run import errors
 from trainers.run import evaluation
 from trainers.run import preemption
 from trainers.run import run_state
@@ -155,19 +153,6 @@ class Task:
         """Logs what a run records when it has trained (in `writer`, its own file)."""
 
 
-def check_replicas(loop, num_replicas):
-    """Raises `errors.InputError` if the batch or BN groups cannot split the replicas."""
-    if loop.batch_size % num_replicas:
-        raise errors.InputError(
-            f"The global batch must split evenly over {num_replicas} replicas. "
-            f"Received: batch_size={loop.batch_size}"
-        )
-    try:
-        distribution_flags.check_sync_group_size(loop.sync_group_size, num_replicas)
-    except ValueError as error:
-        raise errors.InputError(str(error)) from None
-
-
 def train_and_evaluate(task, loop, runner):
     """Trains `task` as `loop` says on `runner`; returns the run's history.
 
@@ -179,13 +164,10 @@ def train_and_evaluate(task, loop, runner):
     Returns:
         dict with "evals" (one record per evaluation), "steps" and "wall_time_s".
 
-    Raises:
-        errors.InputError (a ValueError): if the global batch does not
-            split evenly over the replicas, or the sync group size does not
-            divide their number.
+    The trainer's `main` checked that the global batch and the BN groups
+    split the replicas (`program.claim`).
     """
     replicas = runner.num_replicas
-    check_replicas(loop, replicas)
     logging.info(
         "Global batch %d = %d replicas × %d per replica",
         loop.batch_size,
