@@ -179,14 +179,15 @@ def _after_accumulation(rule, state, mean, variance, count, weight):
     """
     dtype = mean.dtype
     count = ops.broadcast_to(ops.cast(count, dtype), ops.shape(mean))
-    counted = ops.where(count > 1.0, count, ops.zeros_like(count))
+    has_values = count > 1.0
+    counted = ops.where(has_values, count, ops.zeros_like(count))
     total = state["accumulated_count"] + counted
     share = moments.over_count(counted, total)
     pooled_mean = state["accumulated_mean"] + (mean - state["accumulated_mean"]) * share
     pooled_variance = (
         state["accumulated_variance"] + (variance - state["accumulated_variance"]) * share
     )
-    batches = state["accumulated_batches"] + ops.cast(count > 1.0, dtype)
+    batches = state["accumulated_batches"] + ops.cast(has_values, dtype)
     steps = state["accumulated_steps"] + 1.0
     one_batch = dataclasses.replace(rule, accumulation_steps=None)
     new = update(

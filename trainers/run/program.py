@@ -4,9 +4,9 @@
 checks of --model_dir, the run itself, and every way it can end. A bad flag,
 --model_dir or data set (an `errors.InputError`, or absl's
 `flags.ValidationError` while the flags become a config), a corrupt record
-met in training, a full disk, a
-lost peer, a diverged run, a signal or a Ctrl-C each end the process with
-one line on stderr (`one_line_errors`); a bug still ends in its traceback.
+met in training, a full disk, a lost peer, a diverged run, a signal or a
+Ctrl-C each end the process with one line on stderr (`one_line_errors`); a
+bug still ends in its traceback.
 """
 
 import contextlib
