@@ -7,10 +7,10 @@ and under JAX the host CPU shows as 8 devices for `keras.distribution`.
 """
 
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
+import pytest  # noqa: E402
 
 from tests import host_devices  # noqa: E402
 from tests import sync_fixtures  # noqa: E402
@@ -22,10 +22,47 @@ elif keras.backend.backend() == "jax":
     host_devices.emulate_host_devices(8)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Each test belongs to one tier: a test marked both `slow` and `integration` is an error.
+
+    CI runs `-m integration` and `-m slow` as separate suites (CONTRIBUTING.md),
+    so a test in both would run twice.
+    """
+    both = [item.nodeid for item in items if {"slow", "integration"} <= _marks(item)]
+    if both:
+        raise pytest.UsageError(f"marked both slow and integration: {both}")
+
+
+def _marks(item):
+    return {mark.name for mark in item.iter_markers()}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Moves the conformance rows a cell recorded into its report.
+
+    A report reaches the process that prints the summary also from a
+    pytest-xdist worker, where the module's own list stays behind.
+    """
+    outcome = yield
+    rows = getattr(item.module, "RESULTS", None)
+    if call.when == "call" and rows:
+        report = outcome.get_result()
+        for cell, status, detail, keras_error in rows:
+            cells = (cell.path, cell.dtype, cell.layout, cell.transform)
+            report.user_properties.append(("conformance", (*cells, status, detail, keras_error)))
+        rows.clear()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Prints the conformance matrix (keras_bn/conformance_test.py) when it ran."""
-    module = next((m for name, m in sys.modules.items() if name.endswith("conformance_test")), None)
-    rows = getattr(module, "RESULTS", None)
+    rows = sorted(
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        for name, value in getattr(report, "user_properties", ())
+        if name == "conformance"
+    )
     if not rows:
         return
     terminalreporter.section(f"conformance matrix ({keras.backend.backend()})")
@@ -33,12 +70,11 @@ def pytest_terminal_summary(terminalreporter):
         f"{'path':<14}{'dtype':<16}{'layout':<8}{'transform':<12}{'result':<9}"
         f"{'keras_bn error':<16}Keras' layer"
     )
-    for cell, status, detail, keras_error in rows:
+    for path, dtype, layout, transform, status, detail, keras_error in rows:
         ours = f"{detail:.1e}" if isinstance(detail, float) else ""
         theirs = f"{keras_error:.1e}" if isinstance(keras_error, float) else keras_error or ""
         if not ours:
             theirs = detail  # The reason a cell is refused or not run.
         terminalreporter.write_line(
-            f"{cell.path:<14}{cell.dtype:<16}{cell.layout:<8}{cell.transform:<12}{status:<9}"
-            f"{ours:<16}{theirs}"
+            f"{path:<14}{dtype:<16}{layout:<8}{transform:<12}{status:<9}{ours:<16}{theirs}"
         )

@@ -19,6 +19,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 
 import keras_bn
 from tests import references
@@ -127,6 +128,7 @@ class BackendTest(parameterized.TestCase):
         # Only the unmasked steps count (the padded mean would be 3/5 of it).
         np.testing.assert_allclose(moving_mean, x[:, :3].mean((0, 1)), rtol=1e-4)
 
+    @pytest.mark.integration
     def test_tensorflow_is_imported_only_by_the_tensorflow_backend(self):
         script = (
             "import sys, numpy as np, keras, keras_bn\n"

@@ -11,6 +11,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from keras_bn import batch_normalization
@@ -437,6 +438,7 @@ class SerializationTest(parameterized.TestCase):
             self.assertEqual(a.name, b.name)
             np.testing.assert_array_equal(a, b)
 
+    @pytest.mark.integration
     def test_a_saved_file_names_the_package_and_needs_it_imported_to_load(self):
         path = os.path.join(tempfile.mkdtemp(), "model.keras")
         self._trained_model().save(path)

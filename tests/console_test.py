@@ -14,6 +14,7 @@ import time
 from absl import logging
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tests import data_dirs
 from trainers.reporting import console
@@ -170,6 +171,7 @@ def _trainer(model_dir, *args, engine="tensorflow"):
     )
 
 
+@pytest.mark.integration
 class TrainerConsoleTest(parameterized.TestCase):
     def setUp(self):
         super().setUp()

@@ -15,6 +15,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 import tensorflow_datasets as tfds
 
 import keras_bn
@@ -127,6 +128,7 @@ class WatchTest(absltest.TestCase):
         self.assertIsNone(self.watch.check({"train_loss": 0.5}, 4))  # 1 of steps 3 and 4.
 
 
+@pytest.mark.integration
 class DivergenceTest(parameterized.TestCase):
     def test_a_diverged_run_stops_unsaved_is_recorded_and_stays_over(self):
         model_dir = tempfile.mkdtemp()
@@ -196,6 +198,7 @@ class DivergenceTest(parameterized.TestCase):
         self.assertNotIn("\n", message)
 
 
+@pytest.mark.integration
 class DataIdentityTest(absltest.TestCase):
     def setUp(self):
         super().setUp()

@@ -32,12 +32,15 @@ def _blocks():
         text = path.read_text(encoding="utf-8")
         for match in _BLOCK.finditer(text):
             line = text.count("\n", 0, match.start("code")) + 1
+            marker = match.group("marker") or ""
             yield pytest.param(
                 path,
                 line,
                 match.group("code"),
-                match.group("marker") or "",
+                marker,
                 id=f"{path.relative_to(ROOT)}:{line}",
+                # A fresh process is the integration tier's (setup.cfg).
+                marks=[pytest.mark.integration] if marker == "subprocess" else [],
             )
 
 

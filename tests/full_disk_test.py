@@ -11,12 +11,14 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tests import data_dirs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.integration
 class FullDiskTest(parameterized.TestCase):
     def setUp(self):
         super().setUp()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -189,6 +190,7 @@ class RecipeTest(parameterized.TestCase):
 
 
 class TrainerTest(parameterized.TestCase):
+    @pytest.mark.integration
     def test_bn_baseline_smoke_and_resume(self):
         model_dir = tempfile.mkdtemp()
         summary = _smoke(model_dir, variant="bn_baseline", train_steps=2)
@@ -300,12 +302,25 @@ class SlowTrainerTest(parameterized.TestCase):
         _check_run(self, model_dir, summary, 4)
 
 
+@pytest.mark.integration
 class RecipeChangeTest(absltest.TestCase):
     """--allow_config_change with the recipe's learning rate or decay interval: applied."""
 
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        # The run each test relaunches with a change, trained once: a test
+        # relaunches a copy of it (a run directory holds no absolute path).
+        cls.first_run = tempfile.mkdtemp()
+        _smoke(cls.first_run, width_multiplier=0.05)
+
+    def _first_run(self):
+        model_dir = os.path.join(tempfile.mkdtemp(), "run")
+        shutil.copytree(self.first_run, model_dir)
+        return model_dir
+
     def _resumed(self, **change):
-        model_dir = tempfile.mkdtemp()
-        _smoke(model_dir, width_multiplier=0.05)
+        model_dir = self._first_run()
         _smoke(model_dir, width_multiplier=0.05, train_steps=6, allow_config_change=True, **change)
         return run_outputs.read_json(os.path.join(model_dir, "history.json"))  # Times left out.
 
@@ -325,8 +340,7 @@ class RecipeChangeTest(absltest.TestCase):
         self.assertLess(decay["evals"][2]["learning_rate"], 0.0075 * 0.94**5 * 1.0001)
 
     def test_a_changed_dropout_is_refused_in_one_line(self):
-        model_dir = tempfile.mkdtemp()
-        _smoke(model_dir, width_multiplier=0.05)
+        model_dir = self._first_run()
         with self.assertRaisesRegex(SystemExit, r"whose recipe\.dropout cannot change \("):
             _smoke(
                 model_dir,

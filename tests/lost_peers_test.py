@@ -17,6 +17,7 @@ import tempfile
 from unittest import mock
 
 from absl.testing import absltest
+import pytest
 import tensorflow as tf
 
 from trainers.engines import lost_peers
@@ -140,6 +141,7 @@ def _orbax_steps(model_dir, steps_by_run):
         os.utime(os.path.join(directory, str(step)), (mtime, mtime))
 
 
+@pytest.mark.integration
 class JaxWatcherTest(absltest.TestCase):
     """The watcher program: what it passes on, and the line a fatal dump becomes."""
 

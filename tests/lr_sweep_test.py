@@ -10,6 +10,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
@@ -196,6 +197,7 @@ class FlagsTest(parameterized.TestCase):
         self.assertEqual(one.recipe.decay_steps, round(240_000 * config.train_steps / 3e6))
 
 
+@pytest.mark.integration
 class InceptionSweepTest(absltest.TestCase):
     def test_fake_data_sweep(self):
         if keras.backend.backend() != "tensorflow":
@@ -221,6 +223,7 @@ class InceptionSweepTest(absltest.TestCase):
             self.assertAlmostEqual(run["config"]["recipe.learning_rate"], 2 * 0.0015)
 
 
+@pytest.mark.integration
 class MnistSweepTest(absltest.TestCase):
     def test_mock_data_sweep_writes_every_run_and_the_results(self):
         model_dir = tempfile.mkdtemp()

@@ -79,6 +79,7 @@ def _weights(run_dir):
 
 
 class MnistSigmoidTest(parameterized.TestCase):
+    @pytest.mark.integration
     def test_smoke_run_writes_metrics_events_figure_and_summary(self):
         model_dir = tempfile.mkdtemp()
         summary = _run(model_dir)
@@ -151,6 +152,7 @@ class MnistSigmoidTest(parameterized.TestCase):
         self.assertGreater(len(names), 15)
         self.assertLessEqual(names, set(summary["config"]))
 
+    @pytest.mark.integration
     def test_seeds_are_runs_of_their_own_with_mean_and_spread(self):
         model_dir = tempfile.mkdtemp()
         summary = _run(model_dir, num_seeds=2, seed=3)
@@ -176,6 +178,7 @@ class MnistSigmoidTest(parameterized.TestCase):
             np.testing.assert_array_equal(kernel, kernel_of(batch_norm, name), err_msg=name)
             self.assertFalse(np.array_equal(kernel, kernel_of(other_seed, name)), name)
 
+    @pytest.mark.integration
     def test_resume_continues_without_repeating_or_skipping(self):
         straight = tempfile.mkdtemp()
         _run(straight, norm="batch_norm")
@@ -201,6 +204,7 @@ class MnistSigmoidTest(parameterized.TestCase):
         for name in a:
             np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
+    @pytest.mark.integration
     def test_completed_run_is_not_retrained(self):
         model_dir = tempfile.mkdtemp()
         first = _run(model_dir, norm="none")

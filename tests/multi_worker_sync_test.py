@@ -5,6 +5,7 @@ import tempfile
 
 from absl.testing import absltest
 import numpy as np
+import pytest
 
 from tests import multi_worker
 from tests import multi_worker_monitor_worker
@@ -14,6 +15,7 @@ from tests import tensorboard_events
 _TIMEOUT_S = 120
 
 
+@pytest.mark.integration
 class MultiWorkerTest(absltest.TestCase):
     def test_two_workers_share_global_moments(self):
         out_dir = tempfile.mkdtemp()

@@ -120,6 +120,7 @@ class EvaluateTest(absltest.TestCase):
         self.assertEqual(record["precise_bn_seconds"], 0.0)
 
 
+@pytest.mark.integration
 class MnistPreciseTest(parameterized.TestCase):
     def test_records_and_tensorboard_hold_both_statistics(self):
         model_dir = tempfile.mkdtemp()

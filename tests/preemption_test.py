@@ -15,6 +15,7 @@ import time
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
+import pytest
 
 from tests import run_outputs
 from trainers.run import preemption
@@ -87,6 +88,7 @@ class StopRequestsTest(absltest.TestCase):
         self.assertIn("no checkpoint saved (the state is not finite)", str(unsaved))
 
 
+@pytest.mark.integration
 class PreemptionTest(parameterized.TestCase):
     @classmethod
     def setUpClass(cls):

@@ -63,6 +63,7 @@ class _Trainer(absltest.TestCase):
         return _run(self.model_dir, norm="batch_norm", **overrides)
 
 
+@pytest.mark.integration
 class ConfigChangeTest(_Trainer):
     def test_relaunch_with_other_seed_and_batch_is_refused_in_one_line(self):
         self.run_trainer(train_steps=4)
@@ -91,6 +92,7 @@ class ConfigChangeTest(_Trainer):
         self.assertNotIn("config_changes", _history(self.run_dir))
 
 
+@pytest.mark.integration
 class EndOfRunTest(_Trainer):
     def test_end_lost_after_the_last_checkpoint_is_logged_once_by_the_relaunch(self):
         self.run_trainer()
@@ -120,6 +122,7 @@ class EndOfRunTest(_Trainer):
         self.assertEqual([s for s, _ in root["figure1"]], [8])  # The root's launches: one figure.
 
 
+@pytest.mark.integration
 class CheckpointFallbackTest(_Trainer):
     def setUp(self):
         super().setUp()
@@ -213,6 +216,7 @@ class DeterminismTest(absltest.TestCase):
         self.assertEqual(histories[0], histories[1])
         return histories[0]
 
+    @pytest.mark.integration
     def test_mnist(self):
         def train(model_dir):
             _run(model_dir, norm="batch_norm")

@@ -123,6 +123,7 @@ class OrbaxCheckpointerTest(absltest.TestCase):
         checkpointer.close()
 
 
+@pytest.mark.integration
 class FileUrlAndDamagedCheckpointsTest(absltest.TestCase):
     """MNIST runs in `file://` run directories, relaunched over damaged checkpoints."""
 
@@ -178,6 +179,7 @@ class FileUrlAndDamagedCheckpointsTest(absltest.TestCase):
         self.assertEqual(_checkpoints(run_dir), ["4", "8"])
 
 
+@pytest.mark.integration
 class DataParallelTest(absltest.TestCase):
     def test_mnist_over_8_devices_records_engine_and_strategy(self):
         model_dir = tempfile.mkdtemp()
