@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 import keras_bn
+from tests import keras_features
 
 FORMATS = (("weights_h5", ".weights.h5"), ("keras_archive", ".keras"))
 
@@ -69,6 +70,8 @@ class WeightFileTest(parameterized.TestCase):
         for layer in (ours, theirs):
             layer.build((None, 4))
         self.assertEqual([w.name for w in ours.weights], [w.name for w in theirs.weights])
+        if not keras_features.KERAS_HAS_RENORM:
+            self.skipTest(keras_features.NO_KERAS_RENORM)
         renorm = [
             keras_bn.BatchNormalization(renorm=True),
             keras.layers.BatchNormalization(renorm=True),
