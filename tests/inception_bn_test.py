@@ -266,7 +266,7 @@ class TrainerTest(parameterized.TestCase):
             )
 
 
-# A class-level mark: absl's parameterized copies do not inherit method marks.
+# A class-level mark: a mark above `@parameterized` does not reach absl's copies (CONTRIBUTING.md).
 @pytest.mark.slow
 class SlowTrainerTest(parameterized.TestCase):
     """Smoke runs of the other variants and a 2-device mirrored run."""
