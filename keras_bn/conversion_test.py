@@ -93,6 +93,29 @@ class ConvertTest(parameterized.TestCase):
         _train_one_step(model, x, 5)
         _check_synchronised_step(self, model, x, 5)
 
+    def test_bfloat16_model_keeps_keras_values_with_float32_statistics(self):
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((4, 4, 3))
+        h = keras.layers.Conv2D(6, 3, use_bias=False, dtype="bfloat16")(inputs)
+        h = keras.layers.BatchNormalization(momentum=0.5, dtype="bfloat16", name="bn")(h)
+        model = keras.Model(inputs, h)
+        x = np.random.RandomState(4).randn(8, 4, 4, 3).astype(np.float32) * 2 + 1
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        model.fit(x, np.zeros((8, 2, 2, 6), np.float32), batch_size=8, verbose=0)
+        converted = keras_bn.convert_batch_norm(model)
+        ours, theirs = converted.get_layer("bn"), model.get_layer("bn")
+        self.assertIsInstance(ours, keras_bn.BatchNormalization)
+        self.assertEqual(ours.dtype_policy.name, "bfloat16")
+        self.assertEqual([w.dtype for w in ours.weights], ["bfloat16"] * 2 + ["float32"] * 2)
+        for a, b in zip(ours.weights, theirs.weights):  # bfloat16 values, widened exactly.
+            np.testing.assert_array_equal(
+                np.asarray(keras.ops.convert_to_numpy(a), np.float32),
+                np.asarray(keras.ops.convert_to_numpy(b), np.float32),
+            )
+        expected = np.asarray(keras.ops.convert_to_numpy(model(x, training=False)), np.float32)
+        got = np.asarray(keras.ops.convert_to_numpy(converted(x, training=False)), np.float32)
+        np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)  # bfloat16 outputs.
+
     def test_overrides_apply_to_every_batch_norm(self):
         model = _nested_model()
         converted = keras_bn.convert_batch_norm(
@@ -143,7 +166,14 @@ class ConvertTest(parameterized.TestCase):
         self.assertIsInstance(net.bn, keras.layers.BatchNormalization)
 
 
-def _check_application(test, build, synchronised_step=True):
+def _check_application(test, build):
+    """A keras.applications model trained a step, converted: the same outputs and parameters.
+
+    The synchronised step of a converted model under a strategy is
+    ConvertTest.test_synchronised_step_under_strategy's (the nested model):
+    a whole application's takes minutes on 2 CPU cores (MobileNetV2 164 s,
+    ResNet50 over 20 minutes) and asserts nothing more.
+    """
     keras.utils.set_random_seed(1)
     model = build()
     x = np.random.RandomState(1).rand(4, 32, 32, 3).astype(np.float32)
@@ -158,8 +188,6 @@ def _check_application(test, build, synchronised_step=True):
     )
     # The same parameters: the default keras_bn layer holds Keras' weights.
     test.assertEqual(converted.count_params(), model.count_params())
-    if synchronised_step:
-        _check_synchronised_step(test, model, x, 10)
 
 
 def _check_synchronised_step(test, model, x, classes):
@@ -196,14 +224,11 @@ class ApplicationsTest(absltest.TestCase):
         )
 
     def test_resnet50(self):
-        # A synchronised MirroredStrategy step of ResNet50 takes over 20
-        # minutes on 2 CPU cores; MobileNetV2 covers that step.
         _check_application(
             self,
             lambda: keras.applications.ResNet50(
                 input_shape=(32, 32, 3), weights=None, classes=10, classifier_activation=None
             ),
-            synchronised_step=False,
         )
 
 

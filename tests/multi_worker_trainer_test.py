@@ -40,6 +40,7 @@ def _args(model_dir, train_steps):
         "--eval_every=1",
         "--eval_steps=1",
         "--batch_size=4",
+        "--width_multiplier=0.05",  # What is all-reduced and checkpointed each step: 1/400.
         "--variant=bn_x5",
         "--distribution_strategy=multi_worker_mirrored",
         "--sync_batch_norm",
@@ -93,7 +94,10 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         self.assertTrue(latest.endswith("-2"), latest)
         # The chief's checkpoint restores into a fresh model.
         model = inception_task.build_model(
-            inception_recipes.RECIPES["bn_x5"], image_size=32, sync_batch_norm=True
+            inception_recipes.RECIPES["bn_x5"],
+            image_size=32,
+            sync_batch_norm=True,
+            width_multiplier=0.05,
         )
         step = tf.Variable(0, dtype=tf.int64)
         tf.train.Checkpoint(step=step, model=model).restore(
