@@ -24,8 +24,9 @@ export TF_CPP_MIN_LOG_LEVEL=2
 # file from 3.15 on, so tests/keras_suite_test.py skips on older Keras, saying so.
 KERAS_BACKEND=tensorflow "$work/venv/bin/python" -m pytest -q -n 2 -m "not slow" \
   keras_bn/batch_normalization_test.py tests/keras_suite_test.py keras_bn/weight_files_test.py \
-  keras_bn/conversion_test.py keras_bn/synchronized_test.py keras_bn/kernels_test.py
+  keras_bn/conversion_test.py keras_bn/synchronized_test.py keras_bn/kernels_test.py \
+  keras_bn/policies_test.py keras_bn/folding_test.py
 KERAS_BACKEND=jax "$work/venv/bin/python" -m pytest -q -n 2 -m "not slow" \
   keras_bn/backends_test.py keras_bn/jax_distribution_test.py keras_bn/population_test.py \
   keras_bn/kernels_test.py keras_bn/weight_files_test.py tests/keras_suite_test.py \
-  keras_bn/statistics_test.py keras_bn/accumulation_test.py
+  keras_bn/statistics_test.py keras_bn/accumulation_test.py keras_bn/policies_test.py

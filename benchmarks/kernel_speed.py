@@ -33,7 +33,8 @@ reads x, writes y; backward sums read x and dy; dx reads x, dy, writes
 dx), inference 2 (read x, write y).
 
 Dtype policies (`--policies`) give the input in the policy's compute dtype
-(the raw kernels take it with float32 statistics); `--layouts=channels_first`
+(the raw kernels take it with float32 statistics; under the pure 16-bit
+policies the layers' γ and β are 16-bit); `--layouts=channels_first`
 runs each 4-D shape (given NHWC) as NCHW with `axis=1`.
 
 Run:
@@ -69,8 +70,9 @@ _MODES = flags.DEFINE_list("modes", ["training", "inference"], "training and/or 
 _POLICIES = flags.DEFINE_multi_enum(
     "policies",
     ["float32"],
-    ["float32", "mixed_bfloat16", "mixed_float16"],
-    "Keras dtype policies: the input in its compute dtype, statistics in float32.",
+    ["float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "float16"],
+    "Keras dtype policies: the input in its compute dtype, statistics in float32 (under the "
+    "pure 16-bit ones, Keras' layer keeps its statistics in 16 bits, keras_bn in float32).",
 )
 _LAYOUTS = flags.DEFINE_multi_enum(
     "layouts",
@@ -106,7 +108,7 @@ def _arrays(shape):
 
 
 def _compute_dtype(policy):
-    return {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(policy, "float32")
+    return {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(policy, policy)
 
 
 def _layer_kwargs(policy, layout):

@@ -125,6 +125,15 @@ class BatchNormalization(keras.layers.Layer):
     bfloat16 and float32 inputs, and in float64 for a float64 layer; the
     output is in the layer's `compute_dtype`. Integer inputs are cast to the
     statistics' dtype, as Keras does; boolean and complex inputs are refused.
+    γ and β are the layer's trainable weights and have its `variable_dtype`,
+    as every Keras layer's; the moving statistics (and the layer's other
+    state) have `statistics_dtype`, never 16 bits. Under a pure 16-bit
+    policy (`dtype="bfloat16"` or `"float16"`) γ and β are then 16-bit and
+    the moving statistics float32, as in Flax's BatchNorm (batch_stats in
+    float32): an update (1 − momentum)·(x − moving) smaller than half a
+    16-bit step rounds to nothing, so 16-bit moving statistics stop short
+    of the data's (Keras' layer under `dtype="bfloat16"`, momentum 0.99,
+    inputs of mean 1: its moving mean stays near 0.8).
 
     Backends. Everything runs on every Keras 3 backend but `synchronized`
     (TensorFlow, JAX). `trainable=False` means inference mode, as in Keras.
@@ -295,7 +304,11 @@ class BatchNormalization(keras.layers.Layer):
 
     @property
     def statistics_dtype(self):
-        """The dtype of the statistics, weights and arithmetic: float64 or float32."""
+        """The dtype of the moving statistics and the arithmetic: float64 or float32.
+
+        float64 for a float64 `variable_dtype`, else float32 (16-bit
+        variable dtypes included); γ and β have `variable_dtype`.
+        """
         return "float64" if self.variable_dtype == "float64" else "float32"
 
     def build(self, input_shape):
@@ -384,7 +397,7 @@ class BatchNormalization(keras.layers.Layer):
             constraint=constraint,
             trainable=True,
             autocast=False,
-            dtype=self.statistics_dtype,
+            dtype=self.variable_dtype,
         )
 
     def _statistic(self, name, shape, initializer):
@@ -420,8 +433,7 @@ class BatchNormalization(keras.layers.Layer):
         )
         y, (count, mean, variance) = plan.normalize(
             x,
-            self.gamma,
-            self.beta,
+            *self._affine_weights(),
             reduction_axes=self._reduction_axes,
             epsilon=self.epsilon,
             broadcast_shape=self._broadcast_shape,
@@ -435,7 +447,7 @@ class BatchNormalization(keras.layers.Layer):
         return batch_plan.cast(y, self.compute_dtype)
 
     def _infer(self, x):
-        statistics = [self.moving_mean, self.moving_variance, self.gamma, self.beta]
+        statistics = [self.moving_mean, self.moving_variance, *self._affine_weights()]
         dtype, axes = self.statistics_dtype, self._reduction_axes
         kernel = kernels.choose(
             x, axes, self.epsilon, fused=self.fused, training=False, statistics=dtype
@@ -482,10 +494,17 @@ class BatchNormalization(keras.layers.Layer):
         for name, value in new.items():
             state[name].assign(value)
 
+    def _affine_weights(self):
+        """γ and β (or None) in the statistics' dtype: 16-bit ones cast up."""
+        return [
+            None if v is None else batch_plan.cast(v, self.statistics_dtype)
+            for v in (self.gamma, self.beta)
+        ]
+
     def _broadcast(self, variable, default):
         if variable is None:
             return ops.full(self._broadcast_shape, default, dtype=self.statistics_dtype)
-        return ops.reshape(variable, self._broadcast_shape)  # Built in the statistics' dtype.
+        return ops.reshape(variable, self._broadcast_shape)  # In the statistics' dtype.
 
     def _flat_count(self, count):
         # One count for all features, or one per feature (masks over them).

@@ -62,9 +62,10 @@ class FoldTest(parameterized.TestCase):
     def _check(self, model, x, expected_identity, rtol=1e-5):
         _randomize_statistics(model, 0)
         folded = keras_bn.fold_batch_norm(model)
-        expected = _numpy(model(x, training=False))
+        # In float64: NumPy 1.26 cannot compare bfloat16 arrays.
+        expected = _numpy(model(x, training=False), np.float64)
         np.testing.assert_allclose(
-            _numpy(folded(x)), expected, rtol=rtol, atol=rtol * np.abs(expected).max()
+            _numpy(folded(x), np.float64), expected, rtol=rtol, atol=rtol * np.abs(expected).max()
         )
         identities = [x.name for x in folded.layers if isinstance(x, folding.FoldedBatchNorm)]
         self.assertCountEqual(identities, expected_identity)
@@ -197,6 +198,33 @@ class FoldTest(parameterized.TestCase):
         folded = self._check(model, x, ["bn"], rtol=rtol)
         self.assertEqual(folded.get_layer("dense").kernel.dtype, "float64")
         self.assertEqual(folded.get_layer("dense").bias.dtype, "float64")
+
+    def test_bfloat16_model_stays_bfloat16(self):
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(7, dtype="bfloat16", name="dense"),
+                keras_bn.BatchNormalization(dtype="bfloat16", name="bn"),
+            ]
+        )
+        x = np.random.RandomState(3).randn(4, 5).astype(np.float32)
+        # The folded kernel is rounded to bfloat16 (2⁻⁸ relative) where the model's
+        # BN computed in float32: outputs agree to bfloat16's precision.
+        folded = self._check(model, x, ["bn"], rtol=3e-2)
+        dense = folded.get_layer("dense")
+        self.assertEqual((dense.kernel.dtype, dense.bias.dtype), ("bfloat16", "bfloat16"))
+        bn, original = model.get_layer("bn"), model.get_layer("dense")
+        gamma, beta, mean, variance = (
+            _numpy(v, np.float64) for v in (bn.gamma, bn.beta, bn.moving_mean, bn.moving_variance)
+        )
+        scale = gamma / np.sqrt(variance + bn.epsilon)
+        kernel = _numpy(original.kernel, np.float64) * scale
+        bias = (_numpy(original.bias, np.float64) - mean) * scale + beta
+        for variable, exact in ((dense.kernel, kernel), (dense.bias, bias)):
+            # Rounded once; compared in float32 (NumPy 1.26 cannot compare bfloat16 arrays).
+            np.testing.assert_array_equal(
+                _numpy(variable, np.float32), exact.astype("bfloat16").astype(np.float32)
+            )
 
     def test_nested_sequential_is_folded(self):
         inner = keras.Sequential(

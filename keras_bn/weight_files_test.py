@@ -27,15 +27,16 @@ def _data(shape, seed):
     return (np.random.RandomState(seed).randn(*shape) * 2.0 + 1.0).astype(np.float32)
 
 
-def _model(norm, seed):
-    """A conv map and a dense feature vector, each through a BN layer."""
+def _model(norm, seed, dtype=None):
+    """A conv map and a dense feature vector, each through a BN layer; every layer of `dtype`."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((6, 6, 3))
-    h = keras.layers.Conv2D(4, 3, use_bias=False)(inputs)
-    h = norm(name="bn_conv")(h)
-    h = keras.layers.Flatten()(keras.layers.ReLU()(h))
-    h = norm(name="bn_dense", momentum=0.9, center=False)(keras.layers.Dense(5)(h))
-    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    h = keras.layers.Conv2D(4, 3, use_bias=False, dtype=dtype)(inputs)
+    h = norm(name="bn_conv", dtype=dtype)(h)
+    h = keras.layers.Flatten(dtype=dtype)(keras.layers.ReLU(dtype=dtype)(h))
+    h = keras.layers.Dense(5, dtype=dtype)(h)
+    h = norm(name="bn_dense", momentum=0.9, center=False, dtype=dtype)(h)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype=dtype)(h))
     model.compile(keras.optimizers.SGD(0.05), "mse")
     return model
 
@@ -61,7 +62,9 @@ def _numpy_weights(layer):
 
 
 def _predict(model):
-    return keras.ops.convert_to_numpy(model(_data((8, 6, 6, 3), 9), training=False))
+    # In float32: NumPy 1.26 cannot compare bfloat16 arrays.
+    y = keras.ops.convert_to_numpy(model(_data((8, 6, 6, 3), 9), training=False))
+    return np.asarray(y, np.float32)
 
 
 class WeightFileTest(parameterized.TestCase):
@@ -93,6 +96,37 @@ class WeightFileTest(parameterized.TestCase):
         fresh.load_weights(_save(ours, suffix))
         np.testing.assert_allclose(_predict(fresh), _predict(ours), rtol=1e-5, atol=1e-5)
         self.assertTrue(np.all(np.isfinite(_fit(fresh, seed=7))))
+
+    @parameterized.named_parameters(*FORMATS)
+    def test_bfloat16_files_both_ways(self, suffix):
+        """Under dtype="bfloat16" Keras' statistics are bfloat16 and keras_bn's float32."""
+        keras_model = _model(keras.layers.BatchNormalization, seed=0, dtype="bfloat16")
+        _fit(keras_model)
+        ours = _model(keras_bn.BatchNormalization, seed=3, dtype="bfloat16")
+        ours.load_weights(_save(keras_model, suffix))
+        for name in ("bn_conv", "bn_dense"):
+            mine, theirs = ours.get_layer(name), keras_model.get_layer(name)
+            self.assertEqual(
+                [str(w.dtype) for w in mine.trainable_weights],
+                ["bfloat16"] * len(mine.trainable_weights),
+            )
+            self.assertEqual([str(w.dtype) for w in mine.non_trainable_weights], ["float32"] * 2)
+            for a, b in zip(_numpy_weights(mine), _numpy_weights(theirs)):  # Exact: widened.
+                np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
+        # Both normalise in float32 and round the output to bfloat16 (2⁻⁸ relative).
+        np.testing.assert_allclose(_predict(ours), _predict(keras_model), rtol=2e-2, atol=2e-2)
+        self.assertTrue(np.all(np.isfinite(_fit(ours, seed=5))))
+        # And back: Keras' layer reads the float32 statistics rounded to bfloat16.
+        fresh = _model(keras.layers.BatchNormalization, seed=4, dtype="bfloat16")
+        fresh.load_weights(_save(ours, suffix))
+        for name in ("bn_conv", "bn_dense"):
+            mine, theirs = ours.get_layer(name), fresh.get_layer(name)
+            for a, b in zip(_numpy_weights(mine), _numpy_weights(theirs)):
+                # Compared in float32: NumPy 1.26 cannot compare bfloat16 arrays.
+                np.testing.assert_array_equal(
+                    a.astype("bfloat16").astype(np.float32), b.astype(np.float32)
+                )
+        np.testing.assert_allclose(_predict(fresh), _predict(ours), rtol=2e-2, atol=2e-2)
 
     def test_keras_application_weights_into_its_conversion_and_back(self):
         def application(seed):
