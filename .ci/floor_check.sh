@@ -29,4 +29,5 @@ KERAS_BACKEND=tensorflow "$work/venv/bin/python" -m pytest -q -n 2 -m "not slow"
 KERAS_BACKEND=jax "$work/venv/bin/python" -m pytest -q -n 2 -m "not slow" \
   keras_bn/backends_test.py keras_bn/jax_distribution_test.py keras_bn/population_test.py \
   keras_bn/kernels_test.py keras_bn/weight_files_test.py tests/keras_suite_test.py \
-  keras_bn/statistics_test.py keras_bn/accumulation_test.py keras_bn/policies_test.py
+  keras_bn/statistics_test.py keras_bn/accumulation_test.py keras_bn/policies_test.py \
+  keras_bn/moving_statistics_test.py

@@ -125,15 +125,10 @@ class BatchNormalization(keras.layers.Layer):
     bfloat16 and float32 inputs, and in float64 for a float64 layer; the
     output is in the layer's `compute_dtype`. Integer inputs are cast to the
     statistics' dtype, as Keras does; boolean and complex inputs are refused.
-    γ and β are the layer's trainable weights and have its `variable_dtype`,
-    as every Keras layer's; the moving statistics (and the layer's other
-    state) have `statistics_dtype`, never 16 bits. Under a pure 16-bit
-    policy (`dtype="bfloat16"` or `"float16"`) γ and β are then 16-bit and
-    the moving statistics float32, as in Flax's BatchNorm (batch_stats in
-    float32): an update (1 − momentum)·(x − moving) smaller than half a
-    16-bit step rounds to nothing, so 16-bit moving statistics stop short
-    of the data's (Keras' layer under `dtype="bfloat16"`, momentum 0.99,
-    inputs of mean 1: its moving mean stays near 0.8).
+    γ and β have the `variable_dtype` (16-bit under `dtype="bfloat16"` or
+    `"float16"`); the moving statistics `statistics_dtype`, never 16-bit:
+    there an update (1 − momentum)·(x − moving) below half a step rounds
+    to nothing, and Keras' layer's bfloat16 ones stall (docs/layer.md).
 
     Backends. Everything runs on every Keras 3 backend but `synchronized`
     (TensorFlow, JAX). `trainable=False` means inference mode, as in Keras.
@@ -463,7 +458,9 @@ class BatchNormalization(keras.layers.Layer):
         """Floats as they are (a kernel may take 16-bit ones), ints cast, bool/complex refused."""
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         if keras.backend.is_float_dtype(dtype):
-            return ops.convert_to_tensor(inputs)  # As `ops.cast` would, without a copy.
+            # A tensor already after `Layer.__call__`'s conversion (its dispatch
+            # costs an eager PyTorch call more than some of its operations).
+            return inputs if ops.is_tensor(inputs) else ops.convert_to_tensor(inputs)
         if keras.backend.is_int_dtype(dtype):
             return ops.cast(inputs, self.statistics_dtype)
         raise TypeError(
@@ -489,17 +486,14 @@ class BatchNormalization(keras.layers.Layer):
         shape = self.moving_mean.shape
         if tuple(mean.shape) != tuple(shape):
             mean, variance = ops.reshape(mean, shape), ops.reshape(variance, shape)
-        values = {name: v.value for name, v in state.items()}
-        new = moving_statistics.update(rule, values, mean, variance, self._flat_count(count))
-        for name, value in new.items():
-            state[name].assign(value)
+        moving_statistics.assign(rule, state, mean, variance, self._flat_count(count))
 
     def _affine_weights(self):
         """γ and β (or None) in the statistics' dtype: 16-bit ones cast up."""
-        return [
-            None if v is None else batch_plan.cast(v, self.statistics_dtype)
-            for v in (self.gamma, self.beta)
-        ]
+        dtype = self.statistics_dtype
+        if self.variable_dtype == dtype:  # Every policy but the pure 16-bit ones.
+            return [self.gamma, self.beta]
+        return [None if v is None else batch_plan.cast(v, dtype) for v in (self.gamma, self.beta)]
 
     def _broadcast(self, variable, default):
         if variable is None:

@@ -11,6 +11,7 @@ step from the merge.
 
 import dataclasses
 
+import keras
 from keras import ops
 
 from keras_bn import moments
@@ -64,8 +65,9 @@ def update(rule, state, mean, variance, count, weight=1.0):
     """The moving statistics after one training batch.
 
     With a float momentum every statistic moves as
-    s ← s·momentum + b·(1 − momentum); with `momentum=None` as the exact
-    running average s ← s + (b − s)·w / W, where W = `moving_batches` + w
+    s ← s·momentum + b·(1 − momentum), computed as s + (b − s)·(1 − momentum);
+    with `momentum=None` as the exact running average s ← s + (b − s)·w / W,
+    where W = `moving_batches` + w
     accumulates the batches' weights w (1 each in training). Features with
     one value or none in the batch (count ≤ 1: no spread to measure) keep
     their statistics; the cumulative weight advances if any feature moved.
@@ -139,7 +141,8 @@ def update(rule, state, mean, variance, count, weight=1.0):
         rate = (1.0 - rule.momentum) * has_values
 
     def move(name, value, rate=rate):
-        new[name] = state[name] * (1.0 - rate) + value * rate
+        # s + (b − s)·rate: PyTorch's `lerp` (`_assign_on_torch`), exact where b = s.
+        new[name] = state[name] + (value - state[name]) * rate
 
     move("moving_mean", mean)
     if rule.renorm_momentum is None:
@@ -199,3 +202,63 @@ def _after_accumulation(rule, state, mean, variance, count, weight):
     for name, value in zip(ACCUMULATORS, accumulated):
         out[name] = ops.where(done, ops.zeros_like(value), value)
     return out
+
+
+def assign(rule, variables, mean, variance, count):
+    """Moves a layer's state by one training batch: assigns `update`'s new values.
+
+    `variables` maps the names of `update`'s state to `keras.Variable`s; the
+    other arguments are `update`'s. On PyTorch the common rule (a float
+    momentum; no renorm, warm-up or accumulation; a count above 1 known
+    before run time) takes a handful of native torch operations
+    (`_assign_on_torch`): there every `keras.ops` call pays Keras' eager
+    dispatch, several times a small operation's own cost.
+    """
+    if _torch_rule(rule, count):
+        _assign_on_torch(rule, variables, mean, variance, count)
+        return
+    values = {name: v.value for name, v in variables.items()}
+    for name, value in update(rule, values, mean, variance, count).items():
+        variables[name].assign(value)
+
+
+def _torch_rule(rule, count):
+    """Whether `_assign_on_torch` computes `update` for this rule and count."""
+    return (
+        keras.backend.backend() == "torch"
+        and rule.momentum is not None
+        and rule.renorm_momentum is None
+        and not rule.momentum_warmup
+        and not rule.accumulation_steps
+        and isinstance(count, (int, float))
+        and count > 1
+    )
+
+
+def _assign_on_torch(rule, variables, mean, variance, count):
+    """`update` for `_torch_rule`'s case, in native torch operations, assigned.
+
+    The non-finite guard decides on the device (no host synchronisation): a
+    non-finite batch's statistics are replaced by the moving ones, towards
+    which `lerp` moves each by nothing.
+    """
+    import torch
+
+    moving_mean, moving_variance = variables["moving_mean"], variables["moving_variance"]
+    old_mean, old_variance = moving_mean.value, moving_variance.value
+    rate = 1.0 - rule.momentum
+    with torch.no_grad():
+        if rule.unbiased_variance:
+            variance = variance * (count / (count - 1.0))
+        if rule.skip_nonfinite:
+            finite = torch.isfinite(torch.cat((mean, variance))).all()
+            mean = torch.where(finite, mean, old_mean)
+            variance = torch.where(finite, variance, old_variance)
+        new_mean = torch.lerp(old_mean, mean, rate)
+        new_variance = torch.lerp(old_variance, variance, rate)
+    moving_mean.assign(new_mean)
+    moving_variance.assign(new_variance)
+    if rule.skip_nonfinite and rule.count_skipped:
+        # A batch of more than one value per feature moves them all unless it is skipped.
+        skipped = variables["skipped_updates"]
+        skipped.assign(skipped.value + torch.logical_not(finite).to(skipped.value.dtype))
