@@ -12,8 +12,16 @@ layer. With `--floor` (default) a third candidate, the same model with every
 batch norm replaced by an identity, gives the step time that no batch norm
 can beat: its ratio to Keras' bounds keras_bn's from below.
 
+`--models=mnist` is the paper's MNIST network instead (784-100-100-100-10,
+sigmoid, Keras' batch norm after each hidden layer; inputs of 784 features).
+The last column is keras_bn's batch-norm cost over Keras' layer's, each
+over the no-batch-norm model: (keras_bn − no-BN) / (Keras − no-BN), of the
+medians.
+
 Run:
     python -m benchmarks.model_speed                       # ResNet-50, every engine, f32 + bf16
+    python -m benchmarks.model_speed --models=mnist --batch=60 --policies=float32 --rounds=21 \
+        --repeats=20
     python -m benchmarks.model_speed --models=mobilenetv2 --engines=jax --policies=float32
     python -m benchmarks.model_speed --data_formats=channels_first --engines=torch
 """
@@ -33,7 +41,10 @@ _ENGINES = flags.DEFINE_multi_enum(
     "engines", ["tensorflow", "jax", "torch"], ["tensorflow", "torch", "jax"], "Engines to run."
 )
 _MODELS = flags.DEFINE_multi_enum(
-    "models", ["resnet50"], ["resnet50", "mobilenetv2"], "keras.applications models."
+    "models",
+    ["resnet50"],
+    ["resnet50", "mobilenetv2", "mnist"],
+    "keras.applications models, or the paper's MNIST network.",
 )
 _POLICIES = flags.DEFINE_multi_enum(
     "policies",
@@ -78,6 +89,18 @@ def without_batch_norm(model):
     return keras.models.clone_model(model, clone_function=clone)
 
 
+def mnist_network():
+    """The paper's MNIST network: 784-100-100-100-10, sigmoid, Keras' batch norm in each layer."""
+    import keras
+
+    inputs = keras.Input((784,))
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.Dense(100, use_bias=False)(h)
+        h = keras.layers.Activation("sigmoid")(keras.layers.BatchNormalization()(h))
+    return keras.Model(inputs, keras.layers.Dense(10)(h))
+
+
 def candidates(model_name, policy, data_format):
     """`{"keras": step, "keras_bn": step[, "no batch norm": step]}`: one `train_on_batch`
     each on the same batch."""
@@ -90,9 +113,13 @@ def candidates(model_name, policy, data_format):
     size = _SIZE.value
     shape = (size, size, 3) if data_format == "channels_last" else (3, size, size)
     keras.utils.set_random_seed(0)
-    model = getattr(keras.applications, _APPLICATIONS[model_name])(
-        weights=None, input_shape=shape, classes=10
-    )
+    if model_name == "mnist":
+        shape = (784,)
+        model = mnist_network()
+    else:
+        model = getattr(keras.applications, _APPLICATIONS[model_name])(
+            weights=None, input_shape=shape, classes=10
+        )
     converted = keras_bn.convert_batch_norm(model)
     rng = np.random.RandomState(0)
     x = rng.rand(_BATCH.value, *shape).astype(np.float32)
@@ -123,13 +150,14 @@ def run_engine(engine):
 
 def print_table(records):
     print(
-        f"batch {_BATCH.value}, {_SIZE.value}x{_SIZE.value}; step ms: median [q1–q3]; "
+        f"batch {_BATCH.value}, {_SIZE.value}x{_SIZE.value} images (mnist: 784 features); "
+        "step ms: median [q1–q3]; "
         "keras_bn / Keras per round: median [q1–q3]"
     )
     print(
         f"{'engine':<11}{'model':<13}{'policy':<16}{'format':<15}"
         f"{'keras ms':>26}{'keras_bn ms':>26}{'ratio':>20}"
-        f"{'no-BN ms':>26}{'no-BN / keras':>20}"
+        f"{'no-BN ms':>26}{'no-BN / keras':>20}{'BN cost ratio':>15}"
     )
     for record in records:
         samples = {k: np.asarray(v) for k, v in record["samples"].items()}
@@ -143,10 +171,16 @@ def print_table(records):
                 f"{ratio:9.3f} [{r1:.3f}–{r3:.3f}]",
             )
         floor = cells.get("no batch norm", ("", ""))
+        cost = ""
+        if "no batch norm" in samples:
+            keras_ms, ours_ms, none_ms = (
+                np.median(samples[n]) for n in ("keras", "keras_bn", "no batch norm")
+            )
+            cost = f"{(ours_ms - none_ms) / (keras_ms - none_ms):.2f}"
         print(
             f"{record['engine']:<11}{record['model']:<13}{record['policy']:<16}"
             f"{record['data_format']:<15}{cells['keras'][0]:>26}{cells['keras_bn'][0]:>26}"
-            f"{cells['keras_bn'][1]:>20}{floor[0]:>26}{floor[1]:>20}"
+            f"{cells['keras_bn'][1]:>20}{floor[0]:>26}{floor[1]:>20}{cost:>15}"
         )
 
 
