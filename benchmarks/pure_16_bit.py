@@ -31,17 +31,6 @@ _BATCH = flags.DEFINE_integer("batch", 32, "Rows of the batch.", lower_bound=2)
 _MEAN = flags.DEFINE_float("mean", 1.0, "The features' mean.")
 
 
-def moving_mean_after(layer, x, steps):
-    """`layer`'s moving mean (per feature) after `steps` training steps on `x`."""
-    import keras
-
-    model = keras.Sequential([keras.Input(x.shape[1:]), layer])
-    model.compile(keras.optimizers.SGD(0.0), "mse")
-    batches = np.tile(x, (steps, 1))
-    model.fit(batches, np.zeros_like(batches), batch_size=len(x), shuffle=False, verbose=0)
-    return np.asarray(keras.ops.convert_to_numpy(layer.moving_mean), np.float64)
-
-
 def batch_norm_bytes(model):
     """Bytes of the weights of every batch-norm layer of `model`, and of all its weights."""
     import keras
@@ -62,6 +51,7 @@ def main(argv):
     import keras
 
     import keras_bn
+    from tests import moving_averages
 
     policy = _POLICY.value
     rng = np.random.RandomState(0)
@@ -77,7 +67,7 @@ def main(argv):
         ("keras.layers.BatchNormalization", keras.layers.BatchNormalization),
         ("keras_bn.BatchNormalization", keras_bn.BatchNormalization),
     ):
-        got = moving_mean_after(cls(momentum=0.99, dtype=policy), x, _STEPS.value)
+        got = moving_averages.moving_mean_after(cls(momentum=0.99, dtype=policy), x, _STEPS.value)
         print(f"{name:<34}{np.array2string(got, precision=4)}")
     print(f"{'exact average':<34}{np.array2string(exact, precision=4)}")
 

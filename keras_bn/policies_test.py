@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 import keras_bn
+from tests import moving_averages
 
 # (policy, dtype of γ and β, dtype of the moving statistics)
 POLICIES = (
@@ -26,19 +27,6 @@ POLICIES = (
 
 def _numpy(value):
     return np.asarray(keras.ops.convert_to_numpy(value), np.float64)
-
-
-def _moving_mean_after(layer_class, x, steps):
-    """`layer_class(momentum=0.99)` under `dtype="bfloat16"` after `steps` training steps on `x`.
-
-    One `fit` of `steps` batches, each `x` (learning rate 0: γ and β stay).
-    """
-    layer = layer_class(momentum=0.99, dtype="bfloat16")
-    model = keras.Sequential([keras.Input(x.shape[1:]), layer])
-    model.compile(keras.optimizers.SGD(0.0), "mse")
-    batches = np.tile(x, (steps, 1))
-    model.fit(batches, np.zeros_like(batches), batch_size=len(x), shuffle=False, verbose=0)
-    return _numpy(layer.moving_mean)
 
 
 class PolicyTest(parameterized.TestCase):
@@ -83,11 +71,15 @@ class PolicyTest(parameterized.TestCase):
         x = (np.random.RandomState(2).randn(32, 4) * 0.1 + 1.0).astype(np.float32)
         batch_mean = _numpy(keras.ops.cast(x, "bfloat16")).mean(0)  # The layers' input.
         expected = batch_mean * (1.0 - 0.99**steps)
-        ours = _moving_mean_after(keras_bn.BatchNormalization, x, steps)
+        ours = moving_averages.moving_mean_after(
+            keras_bn.BatchNormalization(momentum=0.99, dtype="bfloat16"), x, steps
+        )
         # Within half a bfloat16 step: Keras 3.10 under JAX hands the layer the
         # float32 input uncast (0.04% off); Keras 3.15 the bfloat16 one (exact to 1e-6).
         np.testing.assert_allclose(ours, expected, rtol=2**-9)
-        theirs = _moving_mean_after(keras.layers.BatchNormalization, x, steps)
+        theirs = moving_averages.moving_mean_after(
+            keras.layers.BatchNormalization(momentum=0.99, dtype="bfloat16"), x, steps
+        )
         # Measured with Keras 3.15.1: about 0.81 on every backend, against 0.95 expected.
         self.assertTrue(np.all(theirs < 0.9 * expected), (theirs, expected))
 
