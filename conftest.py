@@ -22,15 +22,32 @@ elif keras.backend.backend() == "jax":
     host_devices.emulate_host_devices(8)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Each test belongs to one tier: a test marked both `slow` and `integration` is an error.
+# The tiers' order in a run that selects several: longest tests first.
+_TIER_ORDER = {"slow": 0, "integration": 1}
 
-    CI runs `-m integration` and `-m slow` as separate suites (CONTRIBUTING.md),
-    so a test in both would run twice.
+
+def pytest_collection_modifyitems(config, items):
+    """Checks each test's tier and puts the slow tier first, then the integration tier.
+
+    A test marked both `slow` and `integration` is an error: a run of either
+    tier alone (CONTRIBUTING.md) must not repeat it. A run of several tiers
+    (CI runs `-m "integration or slow"` on two pytest-xdist workers with
+    `--dist loadgroup --no-loadscope-reorder`) hands out the longest tests
+    first, so that no minutes-long test starts while the other worker has
+    nothing left: within a tier, a class that one worker runs whole (marked
+    `xdist_group`, as its setUpClass trains once) first. The order is
+    otherwise the collection's.
     """
     both = [item.nodeid for item in items if {"slow", "integration"} <= _marks(item)]
     if both:
         raise pytest.UsageError(f"marked both slow and integration: {both}")
+    items.sort(key=_start_rank)
+
+
+def _start_rank(item):
+    marks = _marks(item)
+    tier = min((_TIER_ORDER.get(mark, 2) for mark in marks), default=2)
+    return tier, "xdist_group" not in marks
 
 
 def _marks(item):

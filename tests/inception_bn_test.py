@@ -303,6 +303,8 @@ class SlowTrainerTest(parameterized.TestCase):
 
 
 @pytest.mark.integration
+# One pytest-xdist worker runs the class (--dist loadgroup): setUpClass trains once.
+@pytest.mark.xdist_group("RecipeChangeTest")
 class RecipeChangeTest(absltest.TestCase):
     """--allow_config_change with the recipe's learning rate or decay interval: applied."""
 

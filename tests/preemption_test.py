@@ -89,6 +89,8 @@ class StopRequestsTest(absltest.TestCase):
 
 
 @pytest.mark.integration
+# One pytest-xdist worker runs the class (--dist loadgroup): setUpClass trains once.
+@pytest.mark.xdist_group("PreemptionTest")
 class PreemptionTest(parameterized.TestCase):
     @classmethod
     def setUpClass(cls):
