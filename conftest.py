@@ -31,12 +31,12 @@ def pytest_collection_modifyitems(config, items):
 
     A test marked both `slow` and `integration` is an error: a run of either
     tier alone (CONTRIBUTING.md) must not repeat it. A run of several tiers
-    (CI runs `-m "integration or slow"` on two pytest-xdist workers with
-    `--dist loadgroup --no-loadscope-reorder`) hands out the longest tests
-    first, so that no minutes-long test starts while the other worker has
-    nothing left: within a tier, a class that one worker runs whole (marked
-    `xdist_group`, as its setUpClass trains once) first. The order is
-    otherwise the collection's.
+    (CI's JAX trainer suite, on two pytest-xdist workers with `--dist
+    loadgroup --no-loadscope-reorder`) hands out the longest tests first, so
+    that no minutes-long test starts while the other worker has nothing left:
+    within a tier, a class that one worker runs whole (marked `xdist_group`,
+    as its setUpClass trains once) first. The order is otherwise the
+    collection's.
     """
     both = [item.nodeid for item in items if {"slow", "integration"} <= _marks(item)]
     if both:

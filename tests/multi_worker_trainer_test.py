@@ -76,9 +76,6 @@ def _event_files(model_dir, end=False):
 
 
 @pytest.mark.slow
-# One pytest-xdist worker runs these tests one after another (--dist loadgroup): two
-# two-process runs at once on 2 cores took the longest test 271 s instead of 151.
-@pytest.mark.xdist_group("MultiWorkerTrainerTest")
 class MultiWorkerTrainerTest(absltest.TestCase):
     def test_chief_alone_writes_and_relaunch_resumes(self):
         model_dir = tempfile.mkdtemp()

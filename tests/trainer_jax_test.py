@@ -314,9 +314,6 @@ def _kill_after_a_new_checkpoint(model_dir, victim):
 
 
 @pytest.mark.slow
-# One pytest-xdist worker runs these tests one after another (--dist loadgroup), as
-# tests/multi_worker_trainer_test.py's: two two-process runs at once starve each other on 2 cores.
-@pytest.mark.xdist_group("MultiProcessTest")
 class MultiProcessTest(absltest.TestCase):
     """Process 0 alone writes the events; a relaunch of both processes resumes at the checkpoint."""
 
