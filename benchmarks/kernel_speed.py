@@ -51,6 +51,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from benchmarks import keras_floor
 from benchmarks import timing
 
 _ENGINE = flags.DEFINE_enum(
@@ -239,46 +240,12 @@ def torch_steps(shape, mode, policy, layout):
         "keras_bn": layer_step(keras_bn.BatchNormalization(**kwargs)),
         "keras_bn general": layer_step(keras_bn.BatchNormalization(fused=False, **kwargs)),
         "keras": layer_step(keras.layers.BatchNormalization(**kwargs)),
-        "keras layer floor": layer_step(_KerasWrapped(native, channels_first=first)),
+        "keras layer floor": layer_step(keras_floor.keras_wrapped(native, channels_first=first)),
         name: native_step,
     }
     if mode == "inference":
         steps = {k: (lambda fn=fn: _no_grad(fn)) for k, fn in steps.items()}
     return steps, [name]
-
-
-def _keras_wrapped_class():
-    import keras
-
-    class KerasWrapped(keras.layers.Layer):
-        """torch's own module in the thinnest Keras layer: what any Keras layer costs at least.
-
-        Its call is torch's module on the channels-first view and back, so
-        the time above the module's own is Keras' per-call cost (`__call__`)
-        alone.
-        """
-
-        def __init__(self, module, channels_first):
-            super().__init__()
-            self.channels_first = channels_first
-            # Held in functions: Keras would wrap a module attribute in a
-            # TorchModuleWrapper, a second Keras layer with its own cost.
-            self.set_mode, self.run = module.train, module.__call__
-
-        def build(self, input_shape):
-            pass
-
-        def call(self, x, training=None):
-            self.set_mode(bool(training))
-            if len(x.shape) != 4 or self.channels_first:
-                return self.run(x)
-            return self.run(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-
-    return KerasWrapped
-
-
-def _KerasWrapped(module, channels_first):
-    return _keras_wrapped_class()(module, channels_first)
 
 
 def _no_grad(fn):

@@ -10,13 +10,16 @@ step time with its quartiles, and keras_bn's time over Keras' as the median
 (and quartiles) of the per-round ratios: below 1 is faster than Keras'
 layer. With `--floor` (default) a third candidate, the same model with every
 batch norm replaced by an identity, gives the step time that no batch norm
-can beat: its ratio to Keras' bounds keras_bn's from below.
+can beat: its ratio to Keras' bounds keras_bn's from below. On PyTorch a
+fourth, every batch norm torch's own module in the thinnest Keras layer
+(`benchmarks/keras_floor.py`), gives the least a Keras batch-norm layer
+costs there.
 
 `--models=mnist` is the paper's MNIST network instead (784-100-100-100-10,
 sigmoid, Keras' batch norm after each hidden layer; inputs of 784 features).
-The last column is keras_bn's batch-norm cost over Keras' layer's, each
+"BN cost ratio" is keras_bn's batch-norm cost over Keras' layer's, each
 over the no-batch-norm model: (keras_bn − no-BN) / (Keras − no-BN), of the
-medians.
+medians; "floor cost ratio" the same for the Keras-layer floor.
 
 Run:
     python -m benchmarks.model_speed                       # ResNet-50, every engine, f32 + bf16
@@ -32,6 +35,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from benchmarks import keras_floor
 from benchmarks import timing
 
 _ENGINE = flags.DEFINE_enum(
@@ -89,6 +93,27 @@ def without_batch_norm(model):
     return keras.models.clone_model(model, clone_function=clone)
 
 
+def with_keras_layer_floor(model):
+    """A copy of `model` (PyTorch) whose batch norms are torch's own in the thinnest Keras layer.
+
+    The floor of what a Keras layer can cost per call (`benchmarks.keras_floor`).
+    """
+    import keras
+    import torch
+
+    def clone(layer):
+        if not isinstance(layer, keras.layers.BatchNormalization):
+            return layer.__class__.from_config(layer.get_config())
+        rank = len(layer.input.shape)
+        axis = layer.axis if isinstance(layer.axis, int) else layer.axis[0]
+        channels = layer.input.shape[axis]
+        kind = torch.nn.BatchNorm1d if rank == 2 else torch.nn.BatchNorm2d
+        module = kind(channels, eps=layer.epsilon, momentum=1.0 - layer.momentum)
+        return keras_floor.keras_wrapped(module, channels_first=rank == 4 and axis % rank == 1)
+
+    return keras.models.clone_model(model, clone_function=clone)
+
+
 def mnist_network():
     """The paper's MNIST network: 784-100-100-100-10, sigmoid, Keras' batch norm in each layer."""
     import keras
@@ -127,6 +152,8 @@ def candidates(model_name, policy, data_format):
     models = [("keras", model), ("keras_bn", converted)]
     if _FLOOR.value:
         models.append(("no batch norm", without_batch_norm(model)))
+        if keras.backend.backend() == "torch":
+            models.append((KERAS_FLOOR, with_keras_layer_floor(model)))
     steps = {}
     for name, candidate in models:
         candidate.compile(
@@ -148,6 +175,9 @@ def run_engine(engine):
                 print(json.dumps(record), flush=True)
 
 
+KERAS_FLOOR = "keras layer floor"
+
+
 def print_table(records):
     print(
         f"batch {_BATCH.value}, {_SIZE.value}x{_SIZE.value} images (mnist: 784 features); "
@@ -158,10 +188,11 @@ def print_table(records):
         f"{'engine':<11}{'model':<13}{'policy':<16}{'format':<15}"
         f"{'keras ms':>26}{'keras_bn ms':>26}{'ratio':>20}"
         f"{'no-BN ms':>26}{'no-BN / keras':>20}{'BN cost ratio':>15}"
+        f"{'Keras-layer floor ms':>26}{'floor cost ratio':>18}"
     )
     for record in records:
         samples = {k: np.asarray(v) for k, v in record["samples"].items()}
-        names = [n for n in ("keras", "keras_bn", "no batch norm") if n in samples]
+        names = [n for n in ("keras", "keras_bn", "no batch norm", KERAS_FLOOR) if n in samples]
         cells = {}
         for name in names:
             q1, median, q3 = np.percentile(samples[name], [25, 50, 75]) * 1e3
@@ -171,16 +202,20 @@ def print_table(records):
                 f"{ratio:9.3f} [{r1:.3f}–{r3:.3f}]",
             )
         floor = cells.get("no batch norm", ("", ""))
-        cost = ""
+        medians = {name: np.median(samples[name]) for name in names}
+        cost = {name: "" for name in ("keras_bn", KERAS_FLOOR)}
         if "no batch norm" in samples:
-            keras_ms, ours_ms, none_ms = (
-                np.median(samples[n]) for n in ("keras", "keras_bn", "no batch norm")
-            )
-            cost = f"{(ours_ms - none_ms) / (keras_ms - none_ms):.2f}"
+            # A candidate's batch-norm cost over Keras' layer's, each above no batch norm.
+            none_ms = medians["no batch norm"]
+            for name in cost:
+                if name in medians:
+                    ratio = (medians[name] - none_ms) / (medians["keras"] - none_ms)
+                    cost[name] = f"{ratio:.2f}"
         print(
             f"{record['engine']:<11}{record['model']:<13}{record['policy']:<16}"
             f"{record['data_format']:<15}{cells['keras'][0]:>26}{cells['keras_bn'][0]:>26}"
-            f"{cells['keras_bn'][1]:>20}{floor[0]:>26}{floor[1]:>20}{cost:>15}"
+            f"{cells['keras_bn'][1]:>20}{floor[0]:>26}{floor[1]:>20}{cost['keras_bn']:>15}"
+            f"{cells.get(KERAS_FLOOR, ('',))[0]:>26}{cost[KERAS_FLOOR]:>18}"
         )
 
 

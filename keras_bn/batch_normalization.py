@@ -480,9 +480,6 @@ class BatchNormalization(keras.layers.Layer):
             accumulation_steps=self.accumulation_steps,
         )
         state = {v.name: v for v in self.non_trainable_variables}
-        # The moments carry their gradient (for the output's); the state takes values, so a
-        # layer called under `jax.grad` assigns concrete arrays, not the transformation's tracers.
-        mean, variance = ops.stop_gradient(mean), ops.stop_gradient(variance)
         shape = self.moving_mean.shape
         if tuple(mean.shape) != tuple(shape):
             mean, variance = ops.reshape(mean, shape), ops.reshape(variance, shape)

@@ -101,6 +101,24 @@ class AssignTest(parameterized.TestCase):
         new_mean = _numpy(scope.get_current_value(layer.moving_mean))
         np.testing.assert_allclose(new_mean, 0.5 * x.mean(0), rtol=1e-5)
 
+    def test_stateless_call_leaves_the_state_it_was_given_alone(self):
+        # On PyTorch the update writes the variables' tensors in place outside
+        # a scope; in `stateless_call` those are the caller's, returned anew.
+        layer = keras_bn.BatchNormalization(momentum=0.5)
+        x = np.random.RandomState(4).randn(8, C).astype(np.float32) + 3.0
+        layer.build(x.shape)
+        trainable = [v.value for v in layer.trainable_variables]
+        given = [keras.ops.copy(v.value) for v in layer.non_trainable_variables]
+        before = [_numpy(v) for v in given]
+        _, returned = layer.stateless_call(trainable, given, x, training=True)
+        for value, expected in zip(given, before):
+            np.testing.assert_array_equal(_numpy(value), expected)
+        for variable, expected in zip(layer.non_trainable_variables, before):
+            np.testing.assert_array_equal(_numpy(variable), expected)
+        names = [v.name for v in layer.non_trainable_variables]
+        new_mean = _numpy(returned[names.index("moving_mean")])
+        np.testing.assert_allclose(new_mean, 0.5 * x.mean(0), rtol=1e-5)
+
     def test_a_layer_skips_a_non_finite_batch_and_counts_it(self):
         layer = keras_bn.BatchNormalization(momentum=0.5, count_skipped_updates=True)
         x = np.random.RandomState(3).randn(8, C).astype(np.float32)
