@@ -479,7 +479,8 @@ class BatchNormalization(keras.layers.Layer):
             momentum_warmup=self.momentum_warmup,
             accumulation_steps=self.accumulation_steps,
         )
-        state = {v.name: v for v in self.non_trainable_variables}
+        names = _KERAS_WEIGHTS[2:] + _OWN_STATE  # The moving statistics and own counters.
+        state = {name: v for name in names if (v := getattr(self, name)) is not None}
         shape = self.moving_mean.shape
         if tuple(mean.shape) != tuple(shape):
             mean, variance = ops.reshape(mean, shape), ops.reshape(variance, shape)

@@ -70,7 +70,7 @@ def current_context(synchronized):
     if keras.backend.backend() == "jax":
         return EngineContext(mesh_replicas=_mesh_replicas())
     if not synchronized:
-        return EngineContext()
+        return _LOCAL
     import tensorflow as tf  # Only the synchronised path needs it.
 
     return EngineContext(replica_context=tf.distribute.get_replica_context())
@@ -255,6 +255,11 @@ class BatchPlan:
         return moments.over_count(total, nonempty), pooled_mean, pooled_variance
 
 
+# The plan and context of most calls, made once (frozen dataclasses: shared safely).
+_WHOLE_BATCH = BatchPlan()
+_LOCAL = EngineContext()
+
+
 def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, virtual_batch_size):
     """The `BatchPlan` of one training call.
 
@@ -309,7 +314,7 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
     if mesh == 1:
         # One replica: its batch is the whole batch, whatever the grouping
         # (as under tf.distribute without a strategy).
-        return BatchPlan(groups=groups)
+        return _WHOLE_BATCH if groups is None else BatchPlan(groups=groups)
     if not synchronized:
         return BatchPlan(slices=mesh)
     return BatchPlan(slices=mesh // (group_size or mesh))

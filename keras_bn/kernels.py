@@ -100,7 +100,7 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True, statistic
     if reason is None and fused is None and not _faster_here(x, layout, training):
         reason = "the measured rule keeps the general path on this platform"
     if reason is None:
-        return _KERNELS[keras.backend.backend()](channels_first=layout == CHANNELS_FIRST)
+        return _kernel(keras.backend.backend(), channels_first=layout == CHANNELS_FIRST)
     return _refuse(reason, fused)
 
 
@@ -545,3 +545,9 @@ class _TorchKernel(_Kernel):
 
 
 _KERNELS = {"tensorflow": _TensorFlowKernel, "torch": _TorchKernel}
+
+
+@functools.cache
+def _kernel(backend, channels_first):
+    """The engine's kernel for one layout: stateless, so one instance serves every call."""
+    return _KERNELS[backend](channels_first=channels_first)
