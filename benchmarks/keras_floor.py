@@ -29,9 +29,13 @@ def keras_wrapped(module, channels_first):
 
     class KerasWrapped(keras.layers.Layer):
         def build(self, input_shape):
-            shape = tuple(module.weight.shape)
-            self.gamma = self.add_weight(shape, initializer="ones", name="gamma")
-            self.beta = self.add_weight(shape, initializer="zeros", name="beta")
+            # γ and β from the module, in float32 as the running statistics
+            # (ATen's mixed-type kernel takes a 16-bit input with them).
+            for name, value in (("gamma", module.weight), ("beta", module.bias)):
+                initial = keras.initializers.Constant(value.detach().cpu().numpy())
+                weight = self.add_weight(value.shape, initializer=initial, autocast=False)
+                setattr(self, name, weight)
+            module.to(self.gamma.value.device)  # Its running statistics where Keras computes.
 
         def call(self, x, training=None, **unused):
             # `**unused`: a functional model passes BN's `mask=None`; a named

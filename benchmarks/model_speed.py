@@ -75,6 +75,7 @@ _FLOOR = flags.DEFINE_bool(
 )
 
 _APPLICATIONS = {"resnet50": "ResNet50", "mobilenetv2": "MobileNetV2"}
+KERAS_FLOOR = "keras layer floor"
 
 
 def without_batch_norm(model):
@@ -127,8 +128,8 @@ def mnist_network():
 
 
 def candidates(model_name, policy, data_format):
-    """`{"keras": step, "keras_bn": step[, "no batch norm": step]}`: one `train_on_batch`
-    each on the same batch."""
+    """`{"keras": step, "keras_bn": step[, "no batch norm": step, "keras layer floor": step]}`:
+    one `train_on_batch` each on the same batch (the floor on PyTorch only)."""
     import keras
 
     import keras_bn
@@ -164,7 +165,7 @@ def candidates(model_name, policy, data_format):
 
 
 def run_engine(engine):
-    """Times both candidates of every configuration; one JSON line each."""
+    """Times the candidates of every configuration; one JSON line each."""
     for model_name in _MODELS.value:
         for policy in _POLICIES.value:
             for data_format in _DATA_FORMATS.value:
@@ -173,9 +174,6 @@ def run_engine(engine):
                 record = {"engine": engine, "model": model_name, "policy": policy}
                 record.update(data_format=data_format, samples=samples)
                 print(json.dumps(record), flush=True)
-
-
-KERAS_FLOOR = "keras layer floor"
 
 
 def print_table(records):

@@ -479,8 +479,7 @@ class BatchNormalization(keras.layers.Layer):
             momentum_warmup=self.momentum_warmup,
             accumulation_steps=self.accumulation_steps,
         )
-        names = _KERAS_WEIGHTS[2:] + _OWN_STATE  # The moving statistics and own counters.
-        state = {name: v for name in names if (v := getattr(self, name)) is not None}
+        state = {name: v for name in _STATE if (v := getattr(self, name)) is not None}
         shape = self.moving_mean.shape
         if tuple(mean.shape) != tuple(shape):
             mean, variance = ops.reshape(mean, shape), ops.reshape(variance, shape)
@@ -581,3 +580,5 @@ _KERAS_WEIGHTS = (
     "renorm_stddev",
 )
 _OWN_STATE = ("moving_batches", "num_updates", "skipped_updates", *moving_statistics.ACCUMULATORS)
+# What the update rule reads and writes: every non-trainable weight (all but γ and β).
+_STATE = tuple(name for name in _KERAS_WEIGHTS if name not in ("gamma", "beta")) + _OWN_STATE

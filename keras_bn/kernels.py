@@ -100,7 +100,7 @@ def choose(x, reduction_axes, epsilon, *, fused, training, plain=True, statistic
     if reason is None and fused is None and not _faster_here(x, layout, training):
         reason = "the measured rule keeps the general path on this platform"
     if reason is None:
-        return _kernel(keras.backend.backend(), channels_first=layout == CHANNELS_FIRST)
+        return _KERNELS[keras.backend.backend(), layout == CHANNELS_FIRST]
     return _refuse(reason, fused)
 
 
@@ -217,7 +217,7 @@ TORCH_KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 def _unsupported(x, layout, epsilon, plain, training):
     """Why no fused kernel can run this call (with the general path's meaning), or `None`."""
     backend = keras.backend.backend()
-    if backend not in _KERNELS:
+    if (backend, False) not in _KERNELS:
         return f"the {backend} backend has none (XLA fuses the general path)"
     if not plain:
         return "masks, renorm, ghost batches, slices and synchronised moments need the general path"
@@ -544,10 +544,10 @@ class _TorchKernel(_Kernel):
         return back(y)
 
 
-_KERNELS = {"tensorflow": _TensorFlowKernel, "torch": _TorchKernel}
-
-
-@functools.cache
-def _kernel(backend, channels_first):
-    """The engine's kernel for one layout: stateless, so one instance serves every call."""
-    return _KERNELS[backend](channels_first=channels_first)
+# One instance per engine and layout serves every call (a kernel holds only its layout); a
+# plain dict, which `torch.compile` traces, where it skips `functools.cache` with a warning.
+_KERNELS = {
+    (backend, channels_first): kernel(channels_first=channels_first)
+    for backend, kernel in (("tensorflow", _TensorFlowKernel), ("torch", _TorchKernel))
+    for channels_first in (False, True)
+}

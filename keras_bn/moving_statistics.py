@@ -10,12 +10,16 @@ step from the merge.
 """
 
 import dataclasses
-import functools
 
 import keras
 from keras import ops
 
 from keras_bn import moments
+
+try:  # Keras has no public query; its own check, imported once (`torch.compile` traces it).
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as _keras_query
+except ImportError:  # Another Keras: assume a scope, and assign.
+    _keras_query = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,10 +250,11 @@ def _assign_on_torch(rule, variables, mean, variance, count):
     The non-finite guard decides on the device (no host synchronisation): a
     non-finite batch's statistics are replaced by the moving ones, towards
     which `lerp` moves each by nothing. Outside a `keras.StatelessScope` the
-    variables' tensors move in place (`lerp_`), as `Variable.assign` itself
-    writes them (`copy_`), without its per-call conversions and checks: a
-    training step at (256, 100) took 32 µs less. In a scope, which collects
-    the new values instead, they are assigned.
+    moving statistics' tensors move in place (`lerp_`), as `Variable.assign`
+    itself writes them (`copy_`), without its per-call conversions and
+    checks: a training step at (256, 100) took 32 µs less. In a scope, which
+    collects the new values instead, they are assigned; so is the skip
+    counter, which only `count_skipped_updates` keeps.
     """
     import torch
 
@@ -276,17 +281,6 @@ def _assign_on_torch(rule, variables, mean, variance, count):
             skipped.assign(skipped.value + torch.logical_not(finite).to(skipped.value.dtype))
 
 
-@functools.cache
-def _stateless_scope_query():
-    """Keras' own `in_stateless_scope` (Keras has no public query), or `None`."""
-    try:
-        from keras.src.backend.common.stateless_scope import in_stateless_scope
-    except ImportError:
-        return None
-    return in_stateless_scope
-
-
 def _in_stateless_scope():
     """Whether a `keras.StatelessScope` collects the variables' new values (assumed if unknown)."""
-    query = _stateless_scope_query()
-    return query is None or query()
+    return _keras_query is None or _keras_query()

@@ -5,6 +5,8 @@ torch operations, which must give the same values, skips and counts. Runs on
 every backend (`.ci/run` runs it on each).
 """
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
@@ -118,6 +120,20 @@ class AssignTest(parameterized.TestCase):
         names = [v.name for v in layer.non_trainable_variables]
         new_mean = _numpy(returned[names.index("moving_mean")])
         np.testing.assert_allclose(new_mean, 0.5 * x.mean(0), rtol=1e-5)
+
+    def test_pytorch_moves_the_statistics_in_place_outside_a_scope(self):
+        # The fast path: no `Variable.assign` (its per-call conversions), the same tensors.
+        if keras.backend.backend() != "torch":
+            self.skipTest("the in-place update is PyTorch's")
+        layer = keras_bn.BatchNormalization(momentum=0.5)
+        x = np.random.RandomState(5).randn(8, C).astype(np.float32) + 3.0
+        layer.build(x.shape)
+        tensors = [layer.moving_mean.value, layer.moving_variance.value]
+        with mock.patch.object(keras.Variable, "assign", side_effect=AssertionError("assigned")):
+            layer(x, training=True)
+        self.assertIs(layer.moving_mean.value, tensors[0])
+        self.assertIs(layer.moving_variance.value, tensors[1])
+        np.testing.assert_allclose(_numpy(layer.moving_mean), 0.5 * x.mean(0), rtol=1e-5)
 
     def test_a_layer_skips_a_non_finite_batch_and_counts_it(self):
         layer = keras_bn.BatchNormalization(momentum=0.5, count_skipped_updates=True)
