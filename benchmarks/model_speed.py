@@ -11,7 +11,7 @@ step time with its quartiles, and keras_bn's time over Keras' as the median
 layer. With `--floor` (default) a third candidate, the same model with every
 batch norm replaced by an identity, gives the step time that no batch norm
 can beat: its ratio to Keras' bounds keras_bn's from below. On PyTorch a
-fourth, every batch norm torch's own module in the thinnest Keras layer
+fourth, every batch norm ATen's in the thinnest Keras layer
 (`benchmarks/keras_floor.py`), gives the least a Keras batch-norm layer
 costs there.
 
@@ -78,6 +78,18 @@ _APPLICATIONS = {"resnet50": "ResNet50", "mobilenetv2": "MobileNetV2"}
 KERAS_FLOOR = "keras layer floor"
 
 
+def _replace_batch_norm(model, replacement):
+    """A copy of `model` whose batch norms are `replacement(layer)`, other layers fresh copies."""
+    import keras
+
+    def clone(layer):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            return replacement(layer)
+        return layer.__class__.from_config(layer.get_config())
+
+    return keras.models.clone_model(model, clone_function=clone)
+
+
 def without_batch_norm(model):
     """A copy of `model` whose batch norms are identities (the floor candidate)."""
     import keras
@@ -86,33 +98,25 @@ def without_batch_norm(model):
         def call(self, inputs, training=None, mask=None):  # BN's call signature.
             return inputs
 
-    def clone(layer):
-        if isinstance(layer, keras.layers.BatchNormalization):
-            return NoBatchNorm(name=layer.name)
-        return layer.__class__.from_config(layer.get_config())
-
-    return keras.models.clone_model(model, clone_function=clone)
+    return _replace_batch_norm(model, lambda layer: NoBatchNorm(name=layer.name))
 
 
 def with_keras_layer_floor(model):
-    """A copy of `model` (PyTorch) whose batch norms are torch's own in the thinnest Keras layer.
+    """A copy of `model` (PyTorch) whose batch norms are the Keras-layer floor.
 
-    The floor of what a Keras layer can cost per call (`benchmarks.keras_floor`).
+    ATen's batch norm in the thinnest Keras layer (`benchmarks.keras_floor`):
+    the least a Keras batch-norm layer can cost per call.
     """
-    import keras
     import torch
 
-    def clone(layer):
-        if not isinstance(layer, keras.layers.BatchNormalization):
-            return layer.__class__.from_config(layer.get_config())
+    def floor(layer):
         rank = len(layer.input.shape)
         axis = layer.axis if isinstance(layer.axis, int) else layer.axis[0]
-        channels = layer.input.shape[axis]
         kind = torch.nn.BatchNorm1d if rank == 2 else torch.nn.BatchNorm2d
-        module = kind(channels, eps=layer.epsilon, momentum=1.0 - layer.momentum)
+        module = kind(layer.input.shape[axis], eps=layer.epsilon, momentum=1.0 - layer.momentum)
         return keras_floor.keras_wrapped(module, channels_first=rank == 4 and axis % rank == 1)
 
-    return keras.models.clone_model(model, clone_function=clone)
+    return _replace_batch_norm(model, floor)
 
 
 def mnist_network():
