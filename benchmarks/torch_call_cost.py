@@ -10,11 +10,14 @@ the one before:
     batch-norm signature   the same ATen call in a keras_bn layer: its
                            weights, input spec and `mask` argument, which
                            Keras' `Layer.__call__` checks on every call;
-    kernel                 keras_bn's kernel (`kernels.choose`): the batch
-                           moments into fresh buffers, no moving-statistics
-                           update;
-    + update               and the update rule without the non-finite guard
-                           (`moving_statistics.assign`);
+    kernel                 keras_bn's kernel (chosen once by
+                           `kernels.choose`): ATen's batch norm writing the
+                           batch moments into two fresh zero buffers, and
+                           the multiply that turns its Bessel-corrected
+                           variance into σ²_B; no moving-statistics update;
+    + update               and the update rule outside ATen's kernel
+                           (`moving_statistics.assign`), without the
+                           non-finite guard;
     + guard                and with the guard (the layer's default rule);
     keras_bn               the layer itself: the same operations, and the
                            Python that chooses them on every call (plan,
@@ -24,10 +27,11 @@ A training step is the forward pass in training mode and the gradients of
 Σ w·y with respect to x, γ and β, as in `benchmarks.kernel_speed`. The table
 gives each candidate's median time with its quartiles, its ratio to the
 floor (median and quartiles of the per-round ratios), and the median
-difference to the candidate above it. ATen's kernel cannot skip a
-non-finite batch, and it moves the running variance with the
-Bessel-corrected m/(m−1)·σ²_B; the two rows after "kernel" are what keeping
-keras_bn's guard and biased-variance default costs.
+difference to the candidate above it. ATen's kernel, which moves its running
+statistics itself in the floor, cannot skip a non-finite batch, and it moves
+the running variance with the Bessel-corrected m/(m−1)·σ²_B: the rows from
+"kernel" to "+ guard" are what keeping keras_bn's guard and biased-variance
+default costs once the statistics are updated outside it.
 
 Run:
     python -m benchmarks.torch_call_cost
@@ -46,6 +50,11 @@ from benchmarks import timing
 
 _SHAPES = flags.DEFINE_list(
     "shapes", ["256x100", "32x14x14x256"], "Input shapes (NHWC or NC), as AxBxC."
+)
+flags.register_validator(
+    "shapes",
+    lambda shapes: all(s.count("x") in (1, 3) for s in shapes),
+    "Each shape is NC (AxB) or NHWC (AxBxCxD).",
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 15, "Paired rounds.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 200, "Steps per timed sample.", lower_bound=1)
@@ -81,6 +90,9 @@ def candidates(shape):
             )
             return y if view is inputs else y.permute(0, 2, 3, 1)
 
+    # The layer's kernel for this input, chosen once (the layer chooses on every call).
+    kernel = kernels.choose(x, axes, EPSILON, fused=None, training=True)
+
     class KernelThen(keras_bn.BatchNormalization):
         """keras_bn's kernel, then `rule` (or no update for `None`)."""
 
@@ -89,7 +101,6 @@ def candidates(shape):
             self.rule = rule
 
         def call(self, inputs, training=None, mask=None):
-            kernel = kernels.choose(inputs, axes, self.epsilon, fused=None, training=True)
             y, (count, mean, variance) = kernel.train(
                 inputs, self.gamma.value, self.beta.value, self.epsilon
             )
