@@ -8,7 +8,8 @@ moving statistics match float64 NumPy references; gradients match finite
 differences; TensorFlow is not imported unless the backend is TensorFlow;
 ghost batches match the float64 reference; `synchronized=True` on PyTorch
 is refused at construction, naming the backend (JAX's is tested in
-`jax_distribution_test.py`).
+`jax_distribution_test.py`); on PyTorch, `torch.compile` traces a call
+without graph breaks.
 """
 
 import subprocess
@@ -270,6 +271,35 @@ class BackendTest(parameterized.TestCase):
         np.testing.assert_array_equal(outputs[0][0], outputs[1][0])
         np.testing.assert_array_equal(outputs[0][1], outputs[1][1])
         self.assertTrue(np.all(np.isfinite(outputs[0][0])))
+
+    @parameterized.named_parameters(
+        ("fused_maps", {}, (8, 4, 4, 3), True, False),
+        ("fused_features", {}, (8, 3), True, False),
+        ("channels_first", {"axis": 1}, (8, 3, 4, 4), True, False),
+        ("inference", {}, (8, 4, 4, 3), False, False),
+        ("general", {"fused": False}, (8, 4, 4, 3), True, False),
+        ("mask", {}, (8, 5, 3), True, True),
+        ("cumulative", {"momentum": None}, (8, 3), True, False),
+        ("accumulation", {"accumulation_steps": 2}, (8, 3), True, False),
+        ("ghost_batches", {"virtual_batch_size": 4}, (8, 3), True, False),
+        ("counted_skips", {"count_skipped_updates": True}, (8, 3), True, False),
+    )
+    def test_pytorch_compiles_a_call_without_graph_breaks(self, kwargs, shape, training, masked):
+        # A graph break inside Keras' name scope makes `torch.compile` run the
+        # whole call eagerly: the MNIST network's compiled step took 6.8 ms with
+        # one (`math.prod` over a generator) and 4.7 ms without.
+        if BACKEND != "torch":
+            self.skipTest("torch.compile is PyTorch's")
+        import torch
+
+        torch._dynamo.reset()
+        layer = keras_bn.BatchNormalization(**kwargs)
+        x = torch.tensor(_data(shape, 2))
+        layer.build(x.shape)
+        mask = torch.ones(shape[:-1], dtype=torch.bool) if masked else None
+        report = torch._dynamo.explain(lambda x: layer(x, training=training, mask=mask))(x)
+        where = [[f"{f.filename}:{f.lineno}" for f in r.user_stack] for r in report.break_reasons]
+        self.assertEqual(report.graph_break_count, 0, where)
 
     def test_synchronized_needs_a_distribution_engine(self):
         if BACKEND in ("tensorflow", "jax"):

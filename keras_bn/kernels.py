@@ -386,8 +386,11 @@ def _vector(value, default, channels):
 def _count(x, channel_axis):
     """The values per feature: a Python int when `x`'s shape is static, else a float32 tensor."""
     reduced = [i for i in range(len(x.shape)) if i != channel_axis % len(x.shape)]
-    if all(x.shape[i] is not None for i in reduced):
-        return math.prod(x.shape[i] for i in reduced)
+    dims = [x.shape[i] for i in reduced]
+    if None not in dims:
+        # A list, not a generator: `torch.compile` cannot trace `math.prod` over a
+        # generator, and its graph break inside Keras' name scope drops the call to eager.
+        return math.prod(dims)
     shape = ops.shape(x)
     count = ops.cast(1.0, "float32")
     for i in reduced:  # In float: no int32 overflow.

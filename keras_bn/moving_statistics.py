@@ -131,7 +131,9 @@ def update(rule, state, mean, variance, count, weight=1.0):
         has_values = 1.0 if count > 1 else 0.0
     else:
         has_values = ops.cast(count > 1.0, mean.dtype)
-    moved = has_values if static else ops.max(has_values)  # Whether any feature moves.
+    # Whether any feature moves. `ops.any`, not `ops.max`: Keras' PyTorch `max`
+    # breaks a `torch.compile` graph (it probes its result for `.values`).
+    moved = has_values if static else ops.cast(ops.any(has_values > 0.0), mean.dtype)
     new = {}
     if rule.momentum is None:
         batches = state["moving_batches"] + weight * moved
@@ -166,7 +168,7 @@ def update(rule, state, mean, variance, count, weight=1.0):
     kept = {name: ops.where(finite, value, state[name]) for name, value in new.items()}
     if rule.count_skipped:
         # An empty batch (a replica's empty share of the last one) is no skip.
-        had_values = count > 0 if static else ops.max(count) > 0.0
+        had_values = count > 0 if static else ops.any(count > 0.0)
         stuck = ops.logical_and(had_values, ops.logical_not(moved > 0.0))
         skipped = ops.logical_or(ops.logical_not(finite), stuck)
         kept["skipped_updates"] = state["skipped_updates"] + ops.cast(skipped, mean.dtype)
