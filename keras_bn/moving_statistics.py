@@ -126,14 +126,12 @@ def update(rule, state, mean, variance, count, weight=1.0):
     # A feature with one value (m = 1) or none says nothing about its
     # variance: its statistics stay as they were.
     if static:
-        # Python arithmetic, also for torch.compile's symbolic sizes: a
-        # SymBool from `count > 1` converts to no tensor.
-        has_values = 1.0 if count > 1 else 0.0
+        # Python arithmetic, also for torch.compile's symbolic sizes (a SymBool is no tensor).
+        has_values = moved = 1.0 if count > 1 else 0.0
     else:
         has_values = ops.cast(count > 1.0, mean.dtype)
-    # Whether any feature moves. `ops.any`, not `ops.max`: Keras' PyTorch `max`
-    # breaks a `torch.compile` graph (it probes its result for `.values`).
-    moved = has_values if static else ops.cast(ops.any(has_values > 0.0), mean.dtype)
+        # Whether any feature moves; `ops.max` would break a `torch.compile` graph.
+        moved = ops.cast(ops.any(count > 1.0), mean.dtype)
     new = {}
     if rule.momentum is None:
         batches = state["moving_batches"] + weight * moved
