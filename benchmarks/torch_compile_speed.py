@@ -13,7 +13,8 @@ per candidate, in turn; a process compiles in its first steps, then times
 gives each candidate's median over the rounds, the lowest and highest
 round, and its time over Keras' layer's as the median of the per-round
 ratios; "BN cost ratio" is (candidate − no batch norm) / (Keras − no batch
-norm) of the medians, as in `model_speed`.
+norm) of the medians, as in `model_speed`; "first steps s" the median time
+of the untimed first steps (compilation included).
 
 Run:
     python -m benchmarks.torch_compile_speed
@@ -51,6 +52,11 @@ def run_candidate(name):
     from benchmarks import model_speed
     import keras_bn
 
+    if keras.backend.backend() != "torch":
+        raise RuntimeError(
+            "A worker runs on PyTorch: set KERAS_BACKEND=torch. "
+            f"Received: backend={keras.backend.backend()}"
+        )
     keras.utils.set_random_seed(0)
     model = model_speed.mnist_network()
     build = {
@@ -87,14 +93,18 @@ def _worker(name):
     args = [f"--candidate={name}", f"--jit_compile={_JIT_COMPILE.value}"]
     args += [f"--samples={_SAMPLES.value}", f"--steps={_STEPS.value}"]
     args += [f"--first_steps={_FIRST_STEPS.value}"]
+    # The worker's stderr goes to this process's: a failing worker shows why.
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.torch_compile_speed", *args],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
         text=True,
         check=True,
     ).stdout
-    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    records = [line for line in out.splitlines() if line.startswith("{")]
+    if not records:
+        raise RuntimeError(f"The {name} worker printed no record. Its output: {out}")
+    return json.loads(records[-1])
 
 
 def main(argv):
