@@ -131,12 +131,22 @@ def mnist_network():
     return keras.Model(inputs, keras.layers.Dense(10)(h))
 
 
+def candidate_builders():
+    """Each candidate's name and the function making it from a model with Keras' batch norm."""
+    import keras_bn
+
+    return {
+        "keras": lambda model: model,
+        "keras_bn": keras_bn.convert_batch_norm,
+        "no batch norm": without_batch_norm,
+        KERAS_FLOOR: with_keras_layer_floor,  # PyTorch only.
+    }
+
+
 def candidates(model_name, policy, data_format):
     """`{"keras": step, "keras_bn": step[, "no batch norm": step, "keras layer floor": step]}`:
     one `train_on_batch` each on the same batch (the floor on PyTorch only)."""
     import keras
-
-    import keras_bn
 
     keras.config.set_dtype_policy(policy)
     keras.config.set_image_data_format(data_format)
@@ -150,17 +160,18 @@ def candidates(model_name, policy, data_format):
         model = getattr(keras.applications, _APPLICATIONS[model_name])(
             weights=None, input_shape=shape, classes=10
         )
-    converted = keras_bn.convert_batch_norm(model)
     rng = np.random.RandomState(0)
     x = rng.rand(_BATCH.value, *shape).astype(np.float32)
     y = rng.randint(0, 10, _BATCH.value)
-    models = [("keras", model), ("keras_bn", converted)]
+    names = ["keras", "keras_bn"]
     if _FLOOR.value:
-        models.append(("no batch norm", without_batch_norm(model)))
+        names.append("no batch norm")
         if keras.backend.backend() == "torch":
-            models.append((KERAS_FLOOR, with_keras_layer_floor(model)))
+            names.append(KERAS_FLOOR)
+    builders = candidate_builders()
     steps = {}
-    for name, candidate in models:
+    for name in names:
+        candidate = builders[name](model)
         candidate.compile(
             optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy"
         )

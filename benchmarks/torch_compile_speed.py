@@ -50,7 +50,6 @@ def run_candidate(name):
     import keras
 
     from benchmarks import model_speed
-    import keras_bn
 
     if keras.backend.backend() != "torch":
         raise RuntimeError(
@@ -58,14 +57,7 @@ def run_candidate(name):
             f"Received: backend={keras.backend.backend()}"
         )
     keras.utils.set_random_seed(0)
-    model = model_speed.mnist_network()
-    build = {
-        "keras": lambda: model,
-        "keras_bn": lambda: keras_bn.convert_batch_norm(model),
-        "no batch norm": lambda: model_speed.without_batch_norm(model),
-        "keras layer floor": lambda: model_speed.with_keras_layer_floor(model),
-    }
-    candidate = build[name]()
+    candidate = model_speed.candidate_builders()[name](model_speed.mnist_network())
     candidate.compile(
         optimizer=keras.optimizers.SGD(0.01),
         loss="sparse_categorical_crossentropy",

@@ -393,8 +393,7 @@ def _count(x, channel_axis):
         return math.prod(dims)
     shape = ops.shape(x)
     count = ops.cast(1.0, "float32")
-    for i in reduced:  # In float: no int32 overflow.
-        d = x.shape[i]
+    for i, d in zip(reduced, dims):  # In float: no int32 overflow.
         count = count * (d if d is not None else ops.cast(shape[i], "float32"))
     return count
 
