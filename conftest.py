@@ -23,14 +23,14 @@ elif keras.backend.backend() == "jax":
 
 
 # The tiers' order in a run that selects several: longest tests first.
-_TIER_ORDER = {"slow": 0, "integration": 1}
+_TIER_ORDER = {"soak": 0, "slow": 0, "integration": 1}
 
 
 def pytest_collection_modifyitems(config, items):
     """Checks each test's tier and puts the slow tier first, then the integration tier.
 
-    A test marked both `slow` and `integration` is an error: a run of either
-    tier alone (CONTRIBUTING.md) must not repeat it. A run of several tiers
+    A test marked with more than one of `slow`, `integration` and `soak` is an
+    error: a run of one tier alone (CONTRIBUTING.md) must not repeat it. A run of several tiers
     (CI's JAX trainer suite, on two pytest-xdist workers with `--dist
     loadgroup --no-loadscope-reorder`) hands out the longest tests first, so
     that no minutes-long test starts while the other worker has nothing left:
@@ -38,9 +38,10 @@ def pytest_collection_modifyitems(config, items):
     as its setUpClass trains once) first. The order is otherwise the
     collection's.
     """
-    both = [item.nodeid for item in items if {"slow", "integration"} <= _marks(item)]
+    tiers = {"slow", "integration", "soak"}
+    both = [item.nodeid for item in items if len(tiers & _marks(item)) > 1]
     if both:
-        raise pytest.UsageError(f"marked both slow and integration: {both}")
+        raise pytest.UsageError(f"marked with more than one of slow, integration, soak: {both}")
     items.sort(key=_start_rank)
 
 

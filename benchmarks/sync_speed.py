@@ -32,6 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app
 from absl import flags
 
+from benchmarks import sync_models
 from tests import sync_fixtures
 from trainers.engines import devices
 
@@ -86,24 +87,6 @@ def payload_lines(replica_counts=PAYLOAD_REPLICAS, channels=PAYLOAD_CHANNELS):
     return lines
 
 
-def build_model(bn_factory):
-    import keras  # Imported after the CPU split (see main).
-
-    return keras.Sequential(
-        [
-            keras.Input((32, 32, 16)),
-            keras.layers.Conv2D(32, 3, padding="same", use_bias=False),
-            bn_factory(),
-            keras.layers.ReLU(),
-            keras.layers.Conv2D(64, 3, padding="same", use_bias=False),
-            bn_factory(),
-            keras.layers.ReLU(),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(10),
-        ]
-    )
-
-
 def make_step(strategy, bn_factory, global_batch):
     import keras
     import numpy as np
@@ -111,7 +94,7 @@ def make_step(strategy, bn_factory, global_batch):
 
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = build_model(bn_factory)
+        model = sync_models.conv_net(bn_factory)
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
     rng = np.random.RandomState(0)

@@ -303,7 +303,7 @@ class BackendTest(parameterized.TestCase):
         self.assertEqual(report.graph_count, 1)  # One graph: no frame fell back to eager.
 
     def test_synchronized_needs_a_distribution_engine(self):
-        if BACKEND in ("tensorflow", "jax"):
+        if BACKEND in ("tensorflow", "jax", "torch"):
             self.skipTest(f"synchronized=True is supported on {BACKEND} (its own tests)")
         # Refused at construction, as Keras' layer refuses it, and so by the conversion.
         message = f"not supported on the {BACKEND} backend. Received: synchronized=True"

@@ -437,7 +437,7 @@ class BatchNormalization(keras.layers.Layer):
             fused=self.fused,
             dtype=self.statistics_dtype,
         )
-        if training:
+        if training and not moving_statistics.recomputing():
             self._update_moving_statistics(count, mean, variance)
         return batch_plan.cast(y, self.compute_dtype)
 

@@ -36,6 +36,7 @@ from keras import ops
 from keras_bn import kernels
 from keras_bn import moments
 from keras_bn import normalize
+from keras_bn import torch_replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +49,13 @@ class EngineContext:
             and `all_reduce(op, value)`) whose replicas synchronise.
         mesh_replicas: replicas on the batch axis of the current
             `keras.distribution` (JAX); 1 elsewhere.
+        own_copies: whether each replica keeps moving statistics of its own
+            that nothing averages (`torch.distributed`'s ranks).
     """
 
     replica_context: Any = None
     mesh_replicas: int = 1
+    own_copies: bool = False
 
     @property
     def replicas(self):
@@ -64,13 +68,21 @@ class EngineContext:
 def current_context(synchronized):
     """The `EngineContext` of the current call, looked up once per engine.
 
-    `synchronized=True` reaches here only on TensorFlow and JAX (the layer
-    refuses it elsewhere at construction).
+    `synchronized=True` reaches here only on TensorFlow, JAX and PyTorch (the
+    layer refuses it elsewhere at construction). On PyTorch the replicas are
+    the ranks of `torch.distributed`'s default process group; without one, a
+    process is one replica (as TensorFlow's default strategy is).
     """
-    if keras.backend.backend() == "jax":
+    backend = keras.backend.backend()
+    if backend == "jax":
         return EngineContext(mesh_replicas=_mesh_replicas())
     if not synchronized:
         return _LOCAL
+    if backend == "torch":
+        replicas = torch_replicas.current()
+        if replicas is None:
+            return _LOCAL
+        return EngineContext(replica_context=replicas, own_copies=True)
     import tensorflow as tf  # Only the synchronised path needs it.
 
     return EngineContext(replica_context=tf.distribute.get_replica_context())
@@ -96,12 +108,20 @@ class BatchPlan:
             only at run time.
         slice_size: the ghost batch size v, or `None`.
         groups: `None`, or the `moments.ReplicaGroups` that merges moments
-            and gradient sums across `tf.distribute` replicas.
+            and gradient sums across replicas (`tf.distribute`'s,
+            `torch.distributed`'s).
+        copies: `None`, or the replica context over whose replicas the
+            moments for the moving statistics are averaged: where each
+            replica keeps its own copy with nothing to average them
+            (`torch.distributed`; tf.distribute averages its replicas' copies
+            when they are read, JAX keeps one) and its statistics are of
+            fewer than all replicas (groups, ghost batches).
     """
 
     slices: int | None = 1
     slice_size: int | None = None
     groups: moments.ReplicaGroups | None = None
+    copies: Any = None
 
     @property
     def sliced(self):
@@ -199,7 +219,10 @@ class BatchPlan:
             groups=self.groups,
             kernel=merged_kernel,
         )
-        return self._merge(y), self._pool(count, mean, variance)
+        moving = self._pool(count, mean, variance)
+        if self.copies is not None:
+            moving = tuple(moments.mean_over_replicas(self.copies, moving))
+        return self._merge(y), moving
 
     def _split(self, x):
         """(B, ...) → (S, B/S, ...); the identity when not sliced."""
@@ -295,14 +318,21 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
             f"sync_group_size={group_size} must divide the {replicas} replicas in sync. "
             f"Received: sync_group_size={group_size}, replicas={replicas}"
         )
-    groups = None
-    if synchronized and context.replica_context is not None and replicas > 1 and group_size != 1:
-        groups = moments.ReplicaGroups(context.replica_context, group_size)
+    groups = copies = None
+    if synchronized and context.replica_context is not None and replicas > 1:
+        if group_size != 1:
+            groups = moments.ReplicaGroups(context.replica_context, group_size)
+        # Statistics of fewer than all replicas (groups, ghost batches) differ between them.
+        narrower = (group_size or replicas) < replicas or virtual_batch_size is not None
+        if context.own_copies and narrower:
+            copies = context.replica_context
     if not batch_reduced:
-        return BatchPlan(groups=groups)
+        return BatchPlan(groups=groups, copies=copies)
     if virtual_batch_size is not None and batch_size != 0:
         if batch_size is None:
-            return BatchPlan(slices=None, slice_size=virtual_batch_size, groups=groups)
+            return BatchPlan(
+                slices=None, slice_size=virtual_batch_size, groups=groups, copies=copies
+            )
         per_replica = batch_size // mesh
         if per_replica % virtual_batch_size:
             raise ValueError(
@@ -310,11 +340,15 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
                 f"{per_replica} examples. Received: virtual_batch_size={virtual_batch_size}, "
                 f"per-replica batch={per_replica}"
             )
-        return BatchPlan(slices=batch_size // virtual_batch_size, slice_size=virtual_batch_size)
+        return BatchPlan(
+            slices=batch_size // virtual_batch_size, slice_size=virtual_batch_size, copies=copies
+        )
     if mesh == 1:
         # One replica: its batch is the whole batch, whatever the grouping
         # (as under tf.distribute without a strategy).
-        return _WHOLE_BATCH if groups is None else BatchPlan(groups=groups)
+        if groups is None and copies is None:
+            return _WHOLE_BATCH
+        return BatchPlan(groups=groups, copies=copies)
     if not synchronized:
         return BatchPlan(slices=mesh)
     return BatchPlan(slices=mesh // (group_size or mesh))

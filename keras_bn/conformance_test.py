@@ -115,8 +115,6 @@ def _cells():
 
 def refusal(cell):
     """The `ValueError` message (a regex) with which the layer refuses a cell, or `None`."""
-    if cell.path in SYNC_PATHS and BACKEND == "torch":
-        return "synchronized=True needs TensorFlow's tf.distribute or JAX's keras.distribution"
     if cell.path == "fused":
         compute = keras.DTypePolicy(cell.dtype).compute_dtype
         shape, axis = LAYOUTS[cell.layout]
@@ -150,6 +148,9 @@ def _refusal_errors():
 
 def not_run(cell):
     """Why a cell is outside what this matrix runs, or `None`."""
+    if cell.path in SYNC_PATHS and BACKEND == "torch":
+        # Replicas are processes there: keras_bn/torch_distributed_test.py launches them.
+        return "torch.distributed's replicas are processes (torch_distributed_test.py)"
     if cell.dtype == "float64" and BACKEND == "jax":
         import jax
 

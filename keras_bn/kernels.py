@@ -150,7 +150,7 @@ def choose_for_merged_moments(x, reduction_axes, epsilon, *, fused):
     dtype = keras.backend.standardize_dtype(x.dtype)
     reason = None
     if keras.backend.backend() != "tensorflow":
-        reason = "only TensorFlow merges moments across replicas in the layer"
+        reason = "its merged-moments ops are TensorFlow's"
     elif dtype != "float32":
         reason = f"with merged moments its ops take float32 statistics, not {dtype}"
     elif layout != CHANNELS_LAST:

@@ -279,7 +279,7 @@ class MergedMomentsKernelTest(parameterized.TestCase):
     )
     def test_fused_true_refuses_what_the_ops_cannot_run(self, shape, dtype, axes, epsilon, reason):
         if BACKEND != "tensorflow":
-            reason = r"only TensorFlow merges moments across replicas in the layer"
+            reason = r"its merged-moments ops are TensorFlow's"
         x = keras.ops.convert_to_tensor(_data(shape, 9).astype(dtype))
         with self.assertRaisesRegex(ValueError, reason + r".*Received: fused=True"):
             kernels.choose_for_merged_moments(x, axes, epsilon, fused=True)

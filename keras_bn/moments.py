@@ -6,7 +6,7 @@ replicas (Chan, Golub & LeVeque 1979), unlike the raw sums of x and x², whose
 difference E[x²] − E[x]² loses every significant digit of the variance once
 |mean| / std approaches the float32 resolution (about 4e3).
 
-Nothing here imports TensorFlow: a replica context is passed in
+Nothing here imports TensorFlow or PyTorch: a replica context is passed in
 (`batch_plan.current_context` looks it up).
 """
 
@@ -104,9 +104,14 @@ class ReplicaGroups:
     row g. That costs G·n floats instead of n; with one group it is a plain
     all-reduce of n floats.
 
+    A context that makes its own groups (`torch_replicas.TorchReplicas`:
+    `group(size)` gives the context of this replica's group) sums within the
+    group instead, n floats each time.
+
     Args:
-        context: a replica context (`tf.distribute.ReplicaContext` or a
-            stand-in with the same three members).
+        context: a replica context (`tf.distribute.ReplicaContext`,
+            `torch_replicas.TorchReplicas`, or a stand-in with the same three
+            members).
         group_size: replicas per group, `None` for all replicas; it divides
             the replica count (`batch_plan.make_plan` checks that).
     """
@@ -119,8 +124,12 @@ class ReplicaGroups:
     PACKED_MAX_REPLICAS = 2
 
     def __init__(self, context, group_size=None):
+        replicas = context.num_replicas_in_sync
+        if group_size is not None and group_size < replicas and hasattr(context, "group"):
+            context = context.group(group_size)  # Its own collective within the group.
+            replicas = group_size
         self.context = context
-        self.num_replicas = context.num_replicas_in_sync
+        self.num_replicas = replicas
         self.group_size = self.num_replicas if group_size is None else group_size
         self.num_groups = self.num_replicas // self.group_size
 
@@ -235,6 +244,18 @@ class ReplicaGroups:
                 "collective: compile the whole strategy.run step instead, or "
                 "use synchronized=False."
             ) from error
+
+
+def mean_over_replicas(context, values):
+    """Each of `values` (tensors of one dtype) averaged over `context`'s replicas, in one sum."""
+    flat = ops.concatenate([ops.reshape(v, (-1,)) for v in values], axis=0)
+    total = context.all_reduce("SUM", flat) / float(context.num_replicas_in_sync)
+    out, start = [], 0
+    for value in values:
+        size = _size(value)
+        out.append(ops.reshape(total[start : start + size], ops.shape(value)))
+        start += size
+    return out
 
 
 def _size(tensor):

@@ -284,3 +284,26 @@ def _assign_on_torch(rule, variables, mean, variance, count):
 def _in_stateless_scope():
     """Whether a `keras.StatelessScope` collects the variables' new values (assumed if unknown)."""
     return _keras_query is None or _keras_query()
+
+
+def recomputing():
+    """Whether this forward call recomputes one for a backward pass (gradient checkpointing).
+
+    PyTorch's checkpointing (`keras.RematScope`) runs a checkpointed region's
+    forward again inside the backward pass, the enclosing model's included:
+    the step's update of the moving statistics was made by the first run.
+    PyTorch has no public flag for it; its checkpointing itself tells the
+    recomputation by the autograd engine's current graph task, -1 outside a
+    backward pass. On the other engines a recomputation updates no state
+    (JAX's is functional, TensorFlow's RematScope does not run a `fit` step).
+    Under `torch.compile` the call is traced once, not run again by Python:
+    False there (the engine's task is no graph value).
+    """
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    if torch.compiler.is_compiling():
+        return False
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1

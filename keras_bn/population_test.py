@@ -1,4 +1,10 @@
-"""Tests of keras_bn.estimate_population_statistics."""
+"""Tests of keras_bn.estimate_population_statistics.
+
+Several replicas pool their batches (one process's estimate over the same
+batches): tested here under a `tf.distribute.MirroredStrategy` of logical
+CPUs (TensorFlow) and `keras.distribution.DataParallel` over 8 host devices
+(JAX); ranks of `torch.distributed` in keras_bn/torch_distributed_test.py.
+"""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -7,6 +13,10 @@ import numpy as np
 import tensorflow as tf
 
 import keras_bn
+from tests import sync_fixtures
+
+BACKEND = keras.backend.backend()
+REPLICAS = 4
 
 
 def _model(unbiased):
@@ -112,6 +122,47 @@ class PopulationTest(parameterized.TestCase):
         self.assertNotIn(model.get_layer("frozen").path, estimates)
         for a, b in zip(model.get_layer("frozen").weights, before):
             np.testing.assert_array_equal(a.numpy(), b)
+
+    @parameterized.named_parameters(("local", False), ("synchronized", True))
+    def test_replicas_pool_their_batches_as_one_process_would(self, synchronized):
+        if BACKEND == "torch":
+            self.skipTest("ranks of torch.distributed: keras_bn/torch_distributed_test.py")
+        rng = np.random.RandomState(4)
+        # Three global batches of 8 rows, 2 per replica: each replica's rows its own batch.
+        data = (rng.randn(3, 8, 2, 2, 3) * np.array([1.0, 2.0, 3.0]) + 4.0).astype(np.float32)
+
+        def model():
+            keras.utils.set_random_seed(5)
+            layer = keras_bn.BatchNormalization(synchronized=synchronized, momentum=None)
+            return keras.Sequential([keras.Input((2, 2, 3)), layer]), layer
+
+        # One process, no replicas: the replicas' batches (the global ones when synchronised).
+        single, single_layer = model()
+        batches = list(data) if synchronized else list(data.reshape(12, 2, 2, 2, 3))
+        keras_bn.estimate_population_statistics(single, batches, num_batches=len(batches))
+        if BACKEND == "tensorflow":
+            strategy = sync_fixtures.mirrored_cpu_strategy(REPLICAS)
+            with strategy.scope():
+                replicated, layer = model()
+                dataset = tf.data.Dataset.from_tensor_slices(data.reshape(24, 2, 2, 3)).batch(8)
+                keras_bn.estimate_population_statistics(replicated, dataset, num_batches=3)
+            # Every replica holds the estimate: each replica's copy, not their mean on read.
+            copies = strategy.experimental_local_results(layer.moving_mean.value)
+        else:
+            import jax
+
+            distribution = keras.distribution.DataParallel(devices=jax.devices()[:REPLICAS])
+            with distribution.scope():
+                replicated, layer = model()
+                keras_bn.estimate_population_statistics(replicated, list(data), num_batches=3)
+            copies = [layer.moving_mean.value]
+        for copy in copies:
+            np.testing.assert_allclose(copy, single_layer.moving_mean.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(
+            layer.moving_variance.numpy(), single_layer.moving_variance.numpy(), rtol=1e-6
+        )
+        # The global batches read, each replica's count of its own batches.
+        self.assertEqual(float(layer.moving_batches.numpy()), 3.0)
 
     def test_rejects_bad_num_batches(self):
         with self.assertRaisesRegex(ValueError, r"positive int. Received: num_batches=0"):

@@ -125,10 +125,11 @@ def synchronized(value):
     """Whether moments are synchronised: a bool, `True` only where an engine merges them."""
     value = boolean("synchronized", value)
     backend = keras.backend.backend()
-    if value and backend not in ("tensorflow", "jax"):
+    if value and backend not in ("tensorflow", "jax", "torch"):
         raise ValueError(
-            "synchronized=True needs TensorFlow's tf.distribute or JAX's keras.distribution "
-            f"and is not supported on the {backend} backend. Received: synchronized=True"
+            "synchronized=True needs TensorFlow's tf.distribute, JAX's keras.distribution or "
+            f"torch.distributed and is not supported on the {backend} backend. "
+            "Received: synchronized=True"
         )
     return value
 

@@ -256,5 +256,36 @@ class JaxReportingTest(absltest.TestCase):
                 self.assertEqual(os.fstat(2).st_ino, before)
 
 
+# A process of a two-process JAX job that aborts from a C++ thread, as JAX's distributed
+# client does when it loses a peer; `after` says whether the reporting context has ended.
+_ABORTING = """
+import ctypes, os, sys, threading
+from unittest import mock
+sys.path.insert(0, {root!r})
+from trainers.engines import lost_peers
+env = {{"KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+       "KERAS_DISTRIBUTION_JOB_ADDRESSES": "127.0.0.1:1000,127.0.0.1:1001"}}
+with mock.patch.dict(os.environ, env):
+    with lost_peers.reporting("jax", "data_parallel", "prog", "/nonexistent"):
+        if not {after}:
+            thread = threading.Thread(target=ctypes.CDLL(None).abort)
+            thread.start()
+            thread.join()
+abort = threading.Thread(target=ctypes.CDLL(None).abort)
+abort.start()
+abort.join()
+"""
+
+
+@pytest.mark.integration
+class JaxAbortTest(absltest.TestCase):
+    def test_an_abort_inside_the_context_ends_with_status_1_and_after_it_as_an_abort(self):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for after, status in ((False, 1), (True, -6)):
+            code = _ABORTING.format(root=root, after=after)
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+            self.assertEqual(done.returncode, status, done.stderr.decode()[-2000:])
+
+
 if __name__ == "__main__":
     absltest.main()

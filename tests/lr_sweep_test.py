@@ -11,7 +11,6 @@ from absl.testing import parameterized
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from flags import training_flags as training_flags
@@ -121,7 +120,7 @@ class SummaryTest(parameterized.TestCase):
             loss = float("nan") if multiplier == 10.0 and network == "b" else 0.5
             return _history([0.3, 0.6 if network == "a" else 0.7], loss)
 
-        summary = lr_sweep.run(sweep, train_one, tf.summary.create_file_writer(model_dir))
+        summary = lr_sweep.run(sweep, train_one, writes=True)
         self.assertEqual(seen, [("a", 1.0), ("b", 1.0), ("a", 10.0), ("b", 10.0)])
         self.assertEqual(summary["b"]["largest_stable_multiplier"], 1.0)
         self.assertAlmostEqual(summary["b"]["runs"]["1"]["learning_rate"], 0.2)

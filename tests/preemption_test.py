@@ -1,10 +1,13 @@
-"""SIGTERM and SIGINT stop a run at the next step boundary, checkpointed; relaunches resume exactly.
+"""SIGTERM and SIGINT stop a run at the next safe point, checkpointed; relaunches resume exactly.
 
 The Inception trainer on fake data compiles one step per call, so a signal
-mid-interval stops it mid-interval. Runs under TensorFlow in the default
-suite and under `KERAS_BACKEND=jax` in `.ci/run`.
+mid-interval stops it mid-interval. A signal in the other phases (the
+imports, start-up, the end-of-run writes) is delivered to the MNIST trainer
+at named points (`trainers.run.fault_points`). Runs under TensorFlow in the
+default suite and under `KERAS_BACKEND=jax` in `.ci/run`.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +20,7 @@ from absl.testing import parameterized
 import keras
 import pytest
 
+from tests import data_dirs
 from tests import run_outputs
 from trainers.run import preemption
 
@@ -137,6 +141,100 @@ class PreemptionTest(parameterized.TestCase):
         self.assertEqual(code, 0, out[-3000:])
         self.assertIn(f"at step {step}", out)  # Resumed there.
         self.assertEqual(_outputs(model_dir), _outputs(self.reference))
+
+
+def _mnist(model_dir, faults=None, networks="batch_norm"):
+    """The tiny MNIST run, started; `faults` for the fault hook (`trainers.run.fault_points`)."""
+    env = dict(os.environ, KERAS_BACKEND=keras.backend.backend())
+    env.pop("KERAS_BN_FAULT", None)
+    if faults:
+        env["KERAS_BN_FAULT"] = json.dumps(faults)
+    args = [
+        f"--norm={networks}",
+        "--train_subset=600",
+        "--train_steps=16",
+        "--eval_every=4",
+        "--batch_size=20",
+        "--probe_size=50",
+        f"--data_dir={data_dirs.SHARED_DATA}",
+        f"--model_dir={model_dir}",
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainers.mnist_sigmoid", *args],
+        cwd=_REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+@pytest.mark.integration
+class SignalPhasesTest(parameterized.TestCase):
+    """A signal in any phase is a request to stop, acted on at the phase's end, in one line."""
+
+    def setUp(self):
+        super().setUp()
+        if not os.path.isdir(os.path.join(data_dirs.SHARED_DATA, "mnist")):
+            self.skipTest(f"real MNIST not at {data_dirs.SHARED_DATA}")
+
+    def _stopped(self, process, status, pattern):
+        code, out = _finish(process)
+        self.assertEqual(code, status, out[-3000:])
+        self.assertNotIn("Traceback", out)
+        self.assertRegex(out.strip().splitlines()[-1], pattern)
+        return out
+
+    def test_a_ctrl_c_during_the_imports_stops_before_the_first_step(self):
+        model_dir = tempfile.mkdtemp()
+        process = _mnist(model_dir)
+        time.sleep(1.0)  # Inside the imports, which take seconds.
+        process.send_signal(signal.SIGINT)
+        self._stopped(
+            process,
+            130,
+            r"^mnist_sigmoid: batch_norm seed 0: stopped at step 0 on SIGINT; nothing trained "
+            r"yet; relaunch the same command to resume$",
+        )
+        self.assertFalse(os.path.exists(os.path.join(model_dir, "batch_norm", "history.json")))
+
+    @parameterized.parameters("rename trainer.json", "run state")
+    def test_a_sigterm_during_start_up_stops_before_the_first_step(self, point):
+        model_dir = tempfile.mkdtemp()
+        fault = {"point": point, "count": 1, "action": "SIGTERM"}
+        self._stopped(
+            _mnist(model_dir, [fault]),
+            143,
+            r"^mnist_sigmoid: batch_norm seed 0: stopped at step 0 on SIGTERM; nothing trained "
+            r"yet; relaunch the same command to resume$",
+        )
+
+    def test_a_sigterm_during_an_evaluation_stops_after_its_commit(self):
+        model_dir = tempfile.mkdtemp()
+        fault = {"point": "evaluation", "count": 2, "action": "SIGTERM"}
+        self._stopped(
+            _mnist(model_dir, [fault]),
+            143,
+            r"^mnist_sigmoid: batch_norm seed 0: stopped at step 8 on SIGTERM; checkpoint saved; ",
+        )
+        history = run_outputs.read_strict_json(
+            os.path.join(model_dir, "batch_norm", "history.json")
+        )
+        self.assertEqual(history["steps"], 8)
+
+    def test_a_sigterm_during_the_end_of_a_run_lets_it_end_then_stops_the_next(self):
+        model_dir = tempfile.mkdtemp()
+        fault = {"point": "run end", "count": 1, "action": "SIGTERM"}
+        self._stopped(
+            _mnist(model_dir, [fault], networks="both"),
+            143,
+            r"^mnist_sigmoid: batch_norm seed 0: stopped at step 0 on SIGTERM; nothing trained ",
+        )
+        baseline = run_outputs.read_strict_json(os.path.join(model_dir, "baseline", "history.json"))
+        self.assertTrue(baseline["finished"])  # Its end was written whole.
+        code, out = _finish(_mnist(model_dir, networks="both"))
+        self.assertEqual(code, 0, out[-3000:])
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 The MNIST trainer runs in this process on mock data (tests/mnist_sigmoid_test.py's
 `_run`), under the suite's Keras backend; what only TensorFlow's checkpoints have
-(the state file, `_temp` directories) is skipped on JAX. The kill tests are in
-tests/kill_resume_test.py.
+(the state file, `_temp` directories) is skipped on JAX. Kills and other faults at
+random are the fault soak's (tests/soak.py, tests/soak_test.py).
 """
 
 import glob
@@ -25,6 +25,7 @@ from tests import run_outputs
 from tests import tensorboard_events
 from trainers.run import errors
 from trainers.run import event_files
+from trainers.run import run_state
 
 _run = mnist_sigmoid_test._run
 
@@ -51,6 +52,44 @@ def _garble(path):
 
 def _tf_checkpoint_files(run_dir, step):
     return glob.glob(os.path.join(run_dir, "checkpoints", f"ckpt-{step}.*"))
+
+
+class _Restored:
+    """A checkpointer that holds a checkpoint of `step`, restored whatever `newest` says."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def restore(self, newest=None):
+        return self.step if newest is None or newest >= self.step else 0
+
+    def close(self):
+        pass
+
+
+class IdentityTest(absltest.TestCase):
+    """A relaunch's identity check, on a history file alone (no trainer)."""
+
+    def _relaunch(self, recorded_data, data):
+        run_dir = tempfile.mkdtemp()
+        history = {"evals": [{"step": 4}], "steps": 4, "wall_time_s": 1.0}
+        history["identity"] = {"seed": 0, "data": recorded_data}
+        with open(os.path.join(run_dir, "history.json"), "w") as f:
+            json.dump(history, f)
+        identity = {"seed": 0, "data": data}
+        with run_state.RunState(run_dir, _Restored(4), {}, identity, 8) as run:
+            return run.start, run.history["identity"]
+
+    def test_a_run_recorded_before_the_content_digest_resumes_and_records_it(self):
+        old = {"splits": {"train": {"bytes": 10, "examples": 1}}}
+        new = {"splits": {"train": {"bytes": 10, "examples": 1, "digest": "ab"}}}
+        self.assertEqual(self._relaunch(old, new), (4, {"seed": 0, "data": new}))
+
+    def test_other_content_of_the_same_size_is_refused(self):
+        old = {"splits": {"train": {"bytes": 10, "examples": 1, "digest": "ab"}}}
+        new = {"splits": {"train": {"bytes": 10, "examples": 1, "digest": "cd"}}}
+        with self.assertRaisesRegex(errors.InputError, r"data\.splits\.train\.digest='ab' → 'cd'"):
+            self._relaunch(old, new)
 
 
 class _Trainer(absltest.TestCase):

@@ -454,6 +454,25 @@ class InputErrorTest(parameterized.TestCase):
     def test_complete_data_passes(self):
         data_checks.check_tfds_data(_fake_mnist(), "mnist", ("train", "test"), "")
 
+    def test_the_fingerprint_changes_with_the_content_not_only_the_size(self):
+        def other_records(path):  # Other data of the same size and framing.
+            import tensorflow as tf
+
+            with tf.io.TFRecordWriter(path) as writer:
+                for i in range(10):
+                    writer.write(bytes([i + 1]) * 100)
+
+        same, changed = _fake_mnist(), _fake_mnist(damage=other_records)
+        prints = [data_checks.fingerprint(d, "mnist") for d in (_fake_mnist(), same, changed)]
+        self.assertEqual(prints[0], prints[1])
+        self.assertEqual(prints[0]["splits"]["test"], prints[2]["splits"]["test"])
+        self.assertEqual(
+            prints[0]["splits"]["train"]["bytes"], prints[2]["splits"]["train"]["bytes"]
+        )
+        self.assertNotEqual(
+            prints[0]["splits"]["train"]["digest"], prints[2]["splits"]["train"]["digest"]
+        )
+
     def test_shard_lacking_records_is_corrupt(self):
         data_dir = _fake_mnist()
         info_path = os.path.join(data_dir, "mnist", "3.0.1", "dataset_info.json")

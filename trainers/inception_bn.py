@@ -70,6 +70,13 @@ lr_sweep.png at the root:
         --eval_steps=64 --data_dir=DIR --model_dir=runs/lr_sweep_inception
 """
 
+# Run as a program, a SIGTERM or Ctrl-C during the imports below (seconds) asks the run to stop
+# once it has started, as at any later point (trainers/run/preemption.py).
+if __name__ == "__main__":
+    from trainers.run import preemption
+
+    preemption.defer_from_start()
+
 import dataclasses
 
 from absl import app

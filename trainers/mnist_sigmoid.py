@@ -47,6 +47,13 @@ figure1.png or summary.json then):
         --data_dir=/path/to/tensorflow_datasets --model_dir=runs/mnist_lr_sweep
 """
 
+# Run as a program, a SIGTERM or Ctrl-C during the imports below (seconds) asks the run to stop
+# once it has started, as at any later point (trainers/run/preemption.py).
+if __name__ == "__main__":
+    from trainers.run import preemption
+
+    preemption.defer_from_start()
+
 import dataclasses
 import os
 
@@ -173,7 +180,7 @@ def sweep_config(config, multiplier):
     )
 
 
-def run_sweep(config, runner, data, root):
+def run_sweep(config, runner, data):
     """--lr_sweep: every network at each multiple of --learning_rate (`lr_sweep`)."""
     norms = {RUN_NAMES[norm]: norm for norm in config.networks}
 
@@ -191,7 +198,7 @@ def run_sweep(config, runner, data, root):
         accuracy_key="test_accuracy",
         config=dataclasses.asdict(config),
     )
-    lr_sweep.run(sweep, train_one, root)
+    lr_sweep.run(sweep, train_one, writes=runner.is_chief)
 
 
 def main(argv):
@@ -207,14 +214,11 @@ def train_runs(config):
     mnist_data.check_prepared(config.data_dir, config.batch_size, config.train_subset)
     program.claim(config, TRAINER, config.loop(config.networks[0], config.seed), runner)
     train, test = mnist_task.load_data(config)
-    root = None
     if runner.is_chief:
         networks = [RUN_NAMES[n] for n in config.networks]
-        root = mnist_report.root_writer_with_dashboards(
-            config.model_dir, networks, Config.identity_names()
-        )
+        mnist_report.write_dashboards(config.model_dir, networks, Config.identity_names())
     if config.lr_sweep:
-        run_sweep(config, runner, (train, test), root)
+        run_sweep(config, runner, (train, test))
         return None
     runs = {RUN_NAMES[norm]: [] for norm in config.networks}
     for seed in config.seeds:  # Both networks of a seed, then the next seed.
@@ -223,7 +227,7 @@ def train_runs(config):
             history = skeleton.train_and_evaluate(task, config.loop(norm, seed), runner)
             runs[RUN_NAMES[norm]].append(history)
     if runner.is_chief:  # Only the chief writes the run's results.
-        mnist_task.write_results(config, runs, root)
+        mnist_task.write_results(config, runs)
     return {
         f"{network} seed {seed}": history
         for network, histories in runs.items()

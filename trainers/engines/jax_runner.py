@@ -63,6 +63,10 @@ def create_runner(name, num_cpu_devices=None):
     if int(os.environ.get(_NUM_PROCESSES, "1")) > 1:
         # XLA's CPU collectives across processes (a no-op for accelerators).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX's preemption service takes SIGTERM over from C++ and only
+        # records it: the trainers' own requests (trainers/run/preemption.py)
+        # stop every process at one step instead.
+        jax.config.update("jax_enable_preemption_service", False)
         keras.distribution.initialize()
     local = jax.local_devices()
     if num_cpu_devices and len(local) < num_cpu_devices:
@@ -157,9 +161,19 @@ class JaxRunner:
         optimizer.build(model.trainable_variables)
         return model, optimizer
 
+    @property
+    def num_workers(self):
+        """The job's processes."""
+        import jax
+
+        return jax.process_count()
+
     def checkpointer(self, run_dir, max_to_keep, model, optimizer):
-        """An `OrbaxCheckpointer` of `model` and `optimizer` in `run_dir/checkpoints`."""
-        return checkpoints.OrbaxCheckpointer(run_dir, max_to_keep, model, optimizer)
+        """An `OrbaxCheckpointer` of `model` and `optimizer` in `run_dir/checkpoints`.
+
+        The processes of a job agree through this runner on the step they restore.
+        """
+        return checkpoints.OrbaxCheckpointer(run_dir, max_to_keep, model, optimizer, job=self)
 
     def _local_rows(self, dataset):
         """`dataset`'s global batches cut to this process's rows (all of them in one process)."""
@@ -242,6 +256,16 @@ class JaxRunner:
         from jax.experimental import multihost_utils
 
         return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+
+    def chief_value(self, value):
+        """Process 0's integer `value`, in every process (every process calls this at once)."""
+        import jax
+
+        if jax.process_count() == 1:
+            return value
+        from jax.experimental import multihost_utils
+
+        return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
     def host_values(self, variables):
         """NumPy copies of `variables`' values (of one spanning processes: this process's copy)."""

@@ -15,9 +15,11 @@ step S (path)". `reporting` gives the context a trainer's `main` runs in.
   aborts it (`std::terminate`) when a connection dies mid-transfer. So on JAX
   file descriptor 2 goes through a watcher process (this module run as a
   program) that passes every line on and, should the process abort so,
-  prints the one line instead of the dump. The Python-visible error ends
-  the process at once (`_end_process`): JAX's exit would
-  wait at its shutdown barrier for the lost peer, then abort.
+  prints the one line instead of the dump; the abort itself then ends the
+  process with status 1, as every other one-line ending does, not with
+  SIGABRT's 134 (`_exit_1_on_abort`). The Python-visible error ends the
+  process at once (`_end_process`): JAX's exit would wait at its shutdown
+  barrier for the lost peer, then abort.
 """
 
 import contextlib
@@ -165,16 +167,47 @@ def _reporting_lost_processes(program, model_dir):
 
     job = _JaxJob.from_environment()
     watcher = _StderrWatcher.start(program, model_dir, job)
+    restore_abort = _exit_1_on_abort() if watcher is not None else None
     try:
         yield
-    except jax.errors.JaxRuntimeError as error:
+    # JAX raises a failed collective as its runtime error, or (gloo's, from
+    # `multihost_utils`) as a ValueError with the same words.
+    except (jax.errors.JaxRuntimeError, ValueError) as error:
         # Only once the job has formed: a coordinator never reached is no lost peer.
         if not (jax.distributed.is_initialized() and _peer_gone(str(error))):
             raise
         _end_process(f"{program}: error: {job.lost_message(str(error), model_dir)}", watcher)
     finally:
+        if restore_abort is not None:
+            restore_abort()
         if watcher is not None:
             watcher.close()
+
+
+def _exit_1_on_abort():
+    """Makes an abort (SIGABRT) end this process with status 1 (see the module docstring).
+
+    JAX's distributed client aborts from one of its C++ threads once its
+    fatal message and stack are written (the watcher turns them into the one
+    line); Python cannot replace that reaction (JAX's API takes no callback),
+    and a Python signal handler runs too late, in the main thread. So a C
+    handler (a ctypes callback) exits at once, skipping exit handlers as
+    `_end_process` does. Returns the function that puts the previous handler back.
+    """
+    import ctypes
+
+    handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
+    handler = handler_type(lambda signum: os._exit(1))
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal.restype = ctypes.c_void_p
+    previous = libc.signal(signal.SIGABRT, ctypes.cast(handler, ctypes.c_void_p))
+
+    def restore():
+        libc.signal(signal.SIGABRT, previous)
+
+    restore.handler = handler  # The callback lives while it is installed.
+    return restore
 
 
 def _peer_gone(text):

@@ -13,6 +13,7 @@ import keras
 
 from trainers.engines import devices
 from trainers.engines import lost_peers
+from trainers.run import preemption
 from trainers.run import run_config
 
 
@@ -50,10 +51,14 @@ class DistributionConfig(run_config.RunConfig):
         if self.engine == "jax":
             from trainers.engines import jax_runner
 
-            return jax_runner.create_runner(self.distribution_strategy, self.num_cpu_devices)
-        from trainers.engines import tf_runner
+            runner = jax_runner.create_runner(self.distribution_strategy, self.num_cpu_devices)
+        else:
+            from trainers.engines import tf_runner
 
-        return tf_runner.DistributeRunner(self.create_strategy(), jit_compile)
+            runner = tf_runner.DistributeRunner(self.create_strategy(), jit_compile)
+        # A multi-worker runtime may have taken SIGTERM over (see `preemption.reclaim`).
+        preemption.reclaim()
+        return runner
 
     def reporting_lost_workers(self, program, model_dir):
         """A context ending the run in one line if it loses a peer (`lost_peers.reporting`)."""

@@ -28,7 +28,7 @@ class DistributeRunner:
     def __init__(self, strategy, jit_compile=False):
         self.strategy = strategy
         self.jit_compile = jit_compile
-        self._any_worker = None  # See `any_worker`.
+        self._sum = None  # See `_worker_sum`.
 
     @property
     def num_replicas(self):
@@ -54,12 +54,34 @@ class DistributeRunner:
             optimizer.build(model.trainable_variables)
         return model, optimizer
 
+    @property
+    def num_workers(self):
+        """The run's Python processes: the workers of a `MultiWorkerMirroredStrategy`, else 1."""
+        resolver = getattr(self.strategy, "cluster_resolver", None)
+        if not self._multi_worker or resolver is None:
+            return 1
+        spec = resolver.cluster_spec()
+        return max(1, sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs))
+
+    @property
+    def _multi_worker(self):
+        return isinstance(self.strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
     def checkpointer(self, run_dir, max_to_keep, model, optimizer):
-        """A `TFCheckpointer` of the step, `model` and `optimizer` in `run_dir/checkpoints`."""
+        """A `TFCheckpointer` of the step, `model` and `optimizer` in `run_dir/checkpoints`.
+
+        The workers of a multi-worker run agree through this runner on the
+        step they restore; a non-chief's scratch directory is named after its
+        task.
+        """
         with self.strategy.scope():
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        resolver = getattr(self.strategy, "cluster_resolver", None)
+        worker = "chief"
+        if self._multi_worker and resolver is not None and resolver.task_type:
+            worker = f"{resolver.task_type}_{resolver.task_id}"
         return checkpoints.TFCheckpointer(
-            run_dir, max_to_keep, self.is_chief, step, model, optimizer
+            run_dir, max_to_keep, step, model, optimizer, job=self, worker=worker
         )
 
     def train_function(self, dataset, model, optimizer, loss_fn, global_batch):
@@ -76,18 +98,30 @@ class DistributeRunner:
         Only `MultiWorkerMirroredStrategy` runs several Python processes
         (a TPU pod's hosts run one); there the workers agree by an all-reduce.
         """
-        if not isinstance(self.strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if not self._multi_worker:
             return flag
-        if self._any_worker is None:  # One traced function for the run.
+        return self._worker_sum(int(flag)) > 0
+
+    def chief_value(self, value):
+        """The chief's integer `value`, in every worker (every worker calls this at once)."""
+        if not self._multi_worker:
+            return value
+        return self._worker_sum(value if self.is_chief else 0)
+
+    def _worker_sum(self, value):
+        """The sum over the workers of each one's integer `value` (an all-reduce)."""
+        if self._sum is None:  # One traced function for the run.
 
             @tf.function
-            def any_worker(value):
-                # tf.distribute reduces by SUM or MEAN only: a sum of 0/1 flags.
+            def worker_sum(value):
+                # Each worker's replicas all hold its value: the sum over
+                # replicas is the sum over workers times the replicas per worker.
                 per_replica = self.strategy.run(tf.identity, args=(value,))
-                return self.strategy.reduce("SUM", per_replica, axis=None) > 0
+                return self.strategy.reduce("SUM", per_replica, axis=None)
 
-            self._any_worker = any_worker
-        return bool(self._any_worker(tf.constant(int(flag))).numpy())
+            self._sum = worker_sum
+        replicas_per_worker = self.num_replicas // self.num_workers
+        return int(self._sum(tf.constant(value, tf.int32)).numpy()) // replicas_per_worker
 
     def host_values(self, variables):
         """NumPy copies of `variables` values (as a distributed variable reads outside replicas)."""

@@ -10,7 +10,6 @@ import dataclasses
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import table2 as inception_table2
 from trainers.reporting import lr_sweep
-from trainers.reporting import tensorboard_writers
 
 # --lr_sweep compares these two recipes, the same but for BN.
 SWEEP_VARIANTS = ("inception", "bn_baseline")
@@ -38,5 +37,4 @@ def run(config, train_variant, num_classes, writes=True):
         accuracy_key="top1",
         config=config.flat_values(),
     )
-    writer = tensorboard_writers.root_writer(config.model_dir) if writes else None
-    return lr_sweep.run(sweep, lambda v, m: train_variant(sweep_config(config, v, m)), writer)
+    return lr_sweep.run(sweep, lambda v, m: train_variant(sweep_config(config, v, m)), writes)

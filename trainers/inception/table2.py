@@ -273,8 +273,8 @@ def write_results(model_dir, evals_by_seed, extra):
     return table
 
 
-def write_figure(writer, model_dir, evals_by_seed, step):
-    """figure2.png at `model_dir` and as the root's TensorBoard image `figure2`."""
+def write_figure(model_dir, evals_by_seed, step):
+    """figure2.png at `model_dir` and as the root's TensorBoard image `figure2` ("figures")."""
     runs = {}
     for evals in evals_by_seed.values():
         for variant, records in evals.items():
@@ -282,14 +282,15 @@ def write_figure(writer, model_dir, evals_by_seed, step):
     references = [t["reference_top1"] for t in map(table2, evals_by_seed.values())]
     references = [r for r in references if r is not None]
     png = plot_figure(runs, references, os.path.join(model_dir, "figure2.png"))
-    figures.write_image(
-        writer,
-        "figure2",
-        png,
-        step,
-        "Paper Figure 2 in miniature: test top-1 against steps, every variant "
-        "(with several seeds: the mean and min–max band over seeds).",
-    )
+    with tensorboard_writers.root_events(model_dir, "figures") as writer:
+        figures.write_image(
+            writer,
+            "figure2",
+            png,
+            step,
+            "Paper Figure 2 in miniature: test top-1 against steps, every variant "
+            "(with several seeds: the mean and min–max band over seeds).",
+        )
 
 
 def run(config, train_variant, writes=True):
@@ -308,9 +309,9 @@ def run(config, train_variant, writes=True):
         with several.
     """
     tf.io.gfile.makedirs(config.model_dir)
-    writer = tensorboard_writers.root_writer(config.model_dir) if writes else None
     if writes:
-        tensorboard_writers.write_custom_scalars(writer, "Table 2", CHARTS)
+        with tensorboard_writers.root_events(config.model_dir, "dashboards") as writer:
+            tensorboard_writers.write_custom_scalars(writer, "Table 2", CHARTS)
     names = variants(config.with_inception_x5)
     seeds = run_flags.seeds(config.seed, config.num_seeds)
     evals_by_seed = {seed: {} for seed in seeds}
@@ -328,5 +329,5 @@ def run(config, train_variant, writes=True):
             if writes:
                 write_results(config.model_dir, evals_by_seed, extra)
     if writes:
-        write_figure(writer, config.model_dir, evals_by_seed, config.train_steps)
+        write_figure(config.model_dir, evals_by_seed, config.train_steps)
     return results(evals_by_seed)

@@ -43,12 +43,16 @@ def percentile_tag(network, q):
     return f"sigmoid_input/{network}/p{q}"
 
 
-def root_writer_with_dashboards(model_dir, networks, hparams):
-    """The model_dir root's writer, its custom-scalars layout and HParams experiment written.
+def write_dashboards(model_dir, networks, hparams):
+    """The model_dir root's custom-scalars layout and HParams experiment (its "dashboards" part).
 
     `hparams` names the runs' identity settings.
     """
-    writer = tensorboard_writers.root_writer(model_dir)
+    with tensorboard_writers.root_events(model_dir, "dashboards") as writer:
+        _write_dashboards(writer, networks, hparams)
+
+
+def _write_dashboards(writer, networks, hparams):
     charts = {"test accuracy, both networks": [r"^eval/test_accuracy$"]}
     charts.update(
         {
@@ -63,7 +67,6 @@ def root_writer_with_dashboards(model_dir, networks, hparams):
             metrics=[hp.Metric(f"hparams/{name}", description=d) for name, d in METRICS.items()],
         )
     writer.flush()
-    return writer
 
 
 def write_run_hparams(writer, identity, trial_id):
@@ -162,6 +165,8 @@ def plot_figure(runs, path):
     return figures.save_figure(fig, path)
 
 
-def write_figure(writer, png, step):
+def write_figure(model_dir, png, step):
+    """Logs Figure 1 as the root's image `figure1` (its "figures" part)."""
     description = "Paper Figure 1: test accuracy and sigmoid-input percentiles of both networks."
-    figures.write_image(writer, "figure1", png, step, description)
+    with tensorboard_writers.root_events(model_dir, "figures") as writer:
+        figures.write_image(writer, "figure1", png, step, description)

@@ -147,10 +147,10 @@ def load_data(config):
     return train, test
 
 
-def write_results(config, runs, root):
-    """Figure 1 (file and TensorBoard image at `root`) and summary.json (the chief only)."""
+def write_results(config, runs):
+    """Figure 1 (file and the root's TensorBoard image) and summary.json (the chief only)."""
     png = mnist_report.plot_figure(runs, os.path.join(config.model_dir, "figure1.png"))
-    mnist_report.write_figure(root, png, step=config.train_steps)
+    mnist_report.write_figure(config.model_dir, png, step=config.train_steps)
     summary = {
         "runs": mnist_report.summarize(runs, config.seeds),
         "config": config.flat_values(),

@@ -4,6 +4,8 @@ import io
 
 import tensorflow as tf
 
+from trainers.run import atomic_files
+
 
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
@@ -16,13 +18,15 @@ def pyplot():
 
 
 def save_figure(fig, path, dpi=100):
-    """Writes `fig` as a PNG to `path` (any tf.io.gfile path), closes it, returns the bytes."""
+    """Writes `fig` as a PNG to `path` atomically (a kill leaves the old file or the new one).
+
+    `path` may be any tf.io.gfile path. Closes `fig`; returns the PNG bytes.
+    """
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     pyplot().close(fig)
     png = buffer.getvalue()
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(png)
+    atomic_files.write_bytes(path, png)
     return png
 
 

@@ -26,6 +26,7 @@ import math
 import os
 
 from trainers.reporting import figures
+from trainers.reporting import tensorboard_writers
 from trainers.run import json_files
 
 
@@ -196,7 +197,7 @@ def write_results(sweep, points):
     return plot_figure(summary, os.path.join(sweep.model_dir, "lr_sweep.png"))
 
 
-def run(sweep, train_one, writer):
+def run(sweep, train_one, writes):
     """Trains the sweep's runs with `train_one(network, multiplier) -> history`.
 
     Every network at one multiplier, then the next multiplier; results are
@@ -206,8 +207,7 @@ def run(sweep, train_one, writer):
         sweep: the `Sweep`.
         train_one: trains (or resumes, or finds finished) one run; returns
             its history.
-        writer: the root's `tf.summary` writer, or None in a process that
-            does not write (not the chief).
+        writes: whether this process writes the results (the chief).
 
     Returns:
         The summary (`summarize`) of all runs.
@@ -221,15 +221,16 @@ def run(sweep, train_one, writer):
             points[network][multiplier] = point(
                 history, rate, sweep.num_classes, sweep.accuracy_key
             )
-            if writer is not None:
+            if writes:
                 png = write_results(sweep, points)
     if png is not None:
         steps = max(p["steps"] for runs in points.values() for p in runs.values())
-        figures.write_image(
-            writer,
-            "lr_sweep",
-            png,
-            steps,
-            "Final accuracy against learning rate per network; × marks a diverged run.",
-        )
+        with tensorboard_writers.root_events(sweep.model_dir, "figures") as writer:
+            figures.write_image(
+                writer,
+                "lr_sweep",
+                png,
+                steps,
+                "Final accuracy against learning rate per network; × marks a diverged run.",
+            )
     return summarize(points)

@@ -2,18 +2,27 @@
 
 Each run's own scalars go through its task's `write_summaries` into the
 run's writer (`trainers.run.run_state`); what is shared lives here: the
-"config" text of a run, the writer of a model_dir's root (its layouts and
-figures, rewritten each launch), custom-scalars layouts (one chart per
-entry, with every run under the root that logs a matching tag as its own
-line) and the BN layers' health monitor. Figures: `trainers.reporting.figures`.
+"config" text of a run, the writers of a model_dir root's own summaries (its
+layouts and figures, each part committed whole, `root_events`),
+custom-scalars layouts (one chart per entry, with every run under the root
+that logs a matching tag as its own line) and the BN layers' health monitor.
+Figures: `trainers.reporting.figures`.
 """
+
+import contextlib
+import os
 
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 import tensorflow as tf
 
 import keras_bn
+from trainers.run import atomic_files
 from trainers.run import event_files
+
+# A root's parts are event files of fixed names, replaced whole: "tfevents" makes TensorBoard
+# read them.
+ROOT_PREFIX = "events.out.tfevents.root."
 
 
 def write_custom_scalars(writer, category, charts):
@@ -47,16 +56,42 @@ def write_config(writer, config_values):
     writer.flush()
 
 
-def root_writer(directory):
-    """A writer of a model_dir root's own summaries (layouts, figures), written anew each launch.
+@contextlib.contextmanager
+def root_events(directory, part):
+    """A writer of one part of a model_dir root's own summaries, committed whole at the end.
 
-    Each launch logs the root's summaries whole (the dashboards at its start,
-    the figures at its end), so the files of earlier launches are deleted
-    first: every root point is then in the event files once.
+    The root's summaries (the dashboards a run logs at its start, the figures
+    at its end) are logged again by every launch. Each part is one event file
+    of a fixed name, `ROOT_PREFIX + part`: the writer writes into a temporary
+    directory, and when the block ends without an error its events replace
+    that file atomically. A kill at any instant leaves the part as the last
+    launch to finish it wrote it, never lost and never twice. Root event
+    files of any other name (an older trainer's, one per launch) are then
+    removed: their points are in the parts.
+
+    Args:
+        directory: the model_dir root.
+        part: the part's name ("dashboards", "figures").
+
+    Yields:
+        The `tf.summary` writer of the part.
     """
     tf.io.gfile.makedirs(directory)
-    event_files.remove_all(directory)
-    return tf.summary.create_file_writer(directory)
+    staging = atomic_files.temporary_path(os.path.join(directory, part))
+    writer = tf.summary.create_file_writer(staging)
+    try:
+        yield writer
+        writer.flush()
+        writer.close()
+        records = [r for path in event_files.paths(staging) for r in event_files.read_records(path)]
+        event_files.write_records(os.path.join(directory, ROOT_PREFIX + part), records)
+        for path in event_files.paths(directory):
+            if not os.path.basename(path).startswith(ROOT_PREFIX):
+                tf.io.gfile.remove(path)
+    finally:
+        writer.close()
+        if tf.io.gfile.exists(staging):
+            tf.io.gfile.rmtree(staging)
 
 
 def make_monitor(model, probe_data, group_by=None):

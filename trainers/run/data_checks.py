@@ -11,6 +11,7 @@ infos through here too (`prepared_builder`, `load_split`,
 """
 
 import difflib
+import hashlib
 import os
 import re
 import struct
@@ -99,13 +100,21 @@ def split_sizes(data_dir, name):
     return {split.name: split.num_examples for split in info.splits.values()} if info else {}
 
 
+# What `fingerprint` reads of each end of a shard: its first and last records, or more.
+FINGERPRINT_READ_BYTES = 64 * 1024
+
+
 def fingerprint(data_dir, name):
     """What identifies the local copy of TFDS data set `name` (`data_dir=None`: TFDS's default).
 
     Its name and version as TFDS's info records them, and per split the
-    examples and the shard files' total bytes: cheap (one `stat` per shard),
-    and other data under the same name, or a cut copy, differs in them. None
-    when there is no readable local copy (a remote `data_dir`, mock data).
+    examples, the shard files' total bytes and a SHA-256 `digest` of each
+    shard's size and its first and last `FINGERPRINT_READ_BYTES` (the
+    first and last records of a small shard, whole shards of a small data
+    set): cheap (two reads per shard, whatever the data set's size), and
+    other data under the same name, a cut copy or shards rewritten in
+    another order differ in them. None when there is no readable local copy
+    (a remote `data_dir`, mock data).
     """
     info = _local_info(data_dir, name)
     if info is None:
@@ -117,10 +126,24 @@ def fingerprint(data_dir, name):
             split.name: {
                 "examples": split.num_examples,
                 "bytes": sum(os.path.getsize(str(path)) for path in split.filepaths),
+                "digest": _ends_digest([str(path) for path in split.filepaths]),
             }
             for split in info.splits.values()
         },
     }
+
+
+def _ends_digest(paths):
+    """The SHA-256 of each file's size, first and last `FINGERPRINT_READ_BYTES`, in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        size = os.path.getsize(path)
+        digest.update(struct.pack("<Q", size))
+        with open(path, "rb") as f:
+            digest.update(f.read(FINGERPRINT_READ_BYTES))
+            f.seek(max(size - FINGERPRINT_READ_BYTES, 0))
+            digest.update(f.read(FINGERPRINT_READ_BYTES))
+    return digest.hexdigest()
 
 
 def _local_info(data_dir, name):

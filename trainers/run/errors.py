@@ -36,20 +36,40 @@ class Diverged(InputError):
     """Runs that diverged (`trainers.run.divergence`): their results are those of diverged runs."""
 
 
+# What each storage error says (TensorFlow's and tensorstore's errors carry only the words).
+_UNWRITABLE = {
+    errno.ENOSPC: ("No space left on device", "free space there"),
+    errno.EDQUOT: ("Disk quota exceeded", "free space there"),
+    errno.EROFS: ("Read-only file system", "make it writable"),
+}
+
+
 def disk_full(error):
     """The one line for an error caused by a full disk (anywhere in its chain), or None."""
+    return _storage_line(error, (errno.ENOSPC,))
+
+
+def unwritable(error):
+    """The one line for an error caused by a full disk, a spent quota or a read-only file
+    system (anywhere in its chain), or None."""
+    return _storage_line(error, tuple(_UNWRITABLE))
+
+
+def _storage_line(error, codes):
     seen = error
     while seen is not None:
         text = str(seen)
-        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in text:
-            path = getattr(seen, "filename", None) or next(
-                iter(re.findall(r'"(/[^"]+)"', text)), None
-            )
-            where = f" writing {path}" if path else ""
-            return (
-                f"No space left on device{where}: free space there (or pass another "
-                "--model_dir), then relaunch the same command to resume from the last checkpoint."
-            )
+        for code in codes:
+            words, remedy = _UNWRITABLE[code]
+            if getattr(seen, "errno", None) == code or words in text:
+                path = getattr(seen, "filename", None) or next(
+                    iter(re.findall(r'"(/[^"]+)"', text)), None
+                )
+                where = f" writing {path}" if path else ""
+                return (
+                    f"{words}{where}: {remedy} (or pass another --model_dir), then relaunch the "
+                    "same command to resume from the last checkpoint."
+                )
         seen = seen.__cause__ or seen.__context__
     return None
 

@@ -1,5 +1,8 @@
 """The trainers' JSON files (history, summaries, tables): strict JSON, written atomically.
 
+Each file is written whole or not at all, durably on a local disk
+(`trainers.run.atomic_files`).
+
 A diverged run's numbers can be NaN or infinite, which JSON has no token
 for (Python's `json` writes bare `NaN`, which strict parsers reject). Each is
 written as `null`, and the file's top-level `"non_finite_values"` maps its
@@ -12,11 +15,13 @@ import math
 
 import tensorflow as tf
 
+from trainers.run import atomic_files
+
 NON_FINITE = "non_finite_values"
 
 
 def write_json(path, payload):
-    """Writes `payload` as strict JSON, atomically (temp file + rename): a kill never leaves half.
+    """Writes `payload` as strict JSON, atomically: a kill never leaves half of it.
 
     Raises:
         ValueError: if `payload` holds a non-finite number and is not a dict
@@ -52,11 +57,8 @@ def _escape(key):
 
 
 def write_text(path, text):
-    """Writes `text` atomically (temp file + rename): a kill never leaves half."""
-    tmp = path + ".tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        f.write(text)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    """Writes `text` atomically (`atomic_files.write_text`): a kill never leaves half of it."""
+    atomic_files.write_text(path, text)
 
 
 def read_json(path, default):

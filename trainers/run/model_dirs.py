@@ -116,11 +116,22 @@ def lock_model_dir(model_dir):
 
 
 def claim_model_dir(model_dir, trainer):
-    """Locks `model_dir` and records `trainer` as its writer (the chief calls it once)."""
+    """Locks `model_dir`, removes what killed writes left there, records `trainer` as its writer.
+
+    The chief calls it once, before it writes anything else there.
+    """
+    from absl import logging
     import tensorflow as tf
 
-    from trainers.run import json_files  # Atomic JSON: a kill never leaves half a marker.
+    # Atomic files: a kill never leaves half a marker, and leaves temporary files to remove.
+    from trainers.run import atomic_files
+    from trainers.run import json_files
 
     tf.io.gfile.makedirs(model_dir)
     lock_model_dir(model_dir)
+    removed = atomic_files.remove_leftovers(model_dir)
+    if removed:
+        logging.info(
+            "Removed %d temporary files of killed writes under %s", len(removed), model_dir
+        )
     json_files.write_json(os.path.join(model_dir, MARKER), {"trainer": trainer})

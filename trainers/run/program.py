@@ -36,17 +36,19 @@ def run(program, trainer, argv, config_from_flags, train):
             checked for divergence once all have trained), or None.
     """
     console.quiet_libraries()
-    with one_line_errors(program):
-        if len(argv) > 1:
-            raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
-        try:
-            config = config_from_flags()
-        except flags.ValidationError as error:  # A refused combination of flags.
-            raise errors.InputError(str(error)) from None
-    # From the runner on, a lost peer too ends the run in one line.
-    with one_line_errors(program), config.reporting_lost_workers(program, config.model_dir):
-        model_dirs.check_model_dir(config.model_dir, trainer)
-        check_converged(train(config) or {})
+    # SIGTERM and SIGINT only ask the run to stop, in every phase (`preemption`).
+    with preemption.deferred():
+        with one_line_errors(program):
+            if len(argv) > 1:
+                raise errors.InputError(f"Unexpected arguments: {argv[1:]}")
+            try:
+                config = config_from_flags()
+            except flags.ValidationError as error:  # A refused combination of flags.
+                raise errors.InputError(str(error)) from None
+        # From the runner on, a lost peer too ends the run in one line.
+        with one_line_errors(program), config.reporting_lost_workers(program, config.model_dir):
+            model_dirs.check_model_dir(config.model_dir, trainer)
+            check_converged(train(config) or {})
 
 
 def claim(config, trainer, loop, runner):
@@ -111,7 +113,7 @@ def one_line_errors(program):
         print(f"{program}: interrupted; relaunch the same command to resume", file=sys.stderr)
         sys.exit(130)
     except Exception as error:
-        full = errors.disk_full(error) or data_checks.name_corrupt_file(error)
+        full = errors.unwritable(error) or data_checks.name_corrupt_file(error)
         if full is None:
             raise  # A bug, or nothing this knows: a traceback says more than a guess.
         sys.exit(f"{program}: error: {console.one_line(full)}")

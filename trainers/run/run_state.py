@@ -32,6 +32,7 @@ import tensorflow as tf
 from trainers.reporting import tensorboard_writers
 from trainers.run import errors
 from trainers.run import event_files
+from trainers.run import fault_points
 from trainers.run import json_files
 
 
@@ -91,14 +92,16 @@ class RunState:
         self._checkpointer = checkpointer
         self._history_path = os.path.join(run_dir, "history.json")
         identity = json.loads(json.dumps(identity))  # As the history file holds it.
-        recorded = json_files.read_json(self._history_path, None)
+        recorded = self._read_history()
         changes = {}
         if recorded and recorded.get("steps"):
             # Before the restore: a setting that changes the variables would
             # make every checkpoint look unreadable.
             allowed = set(changeable) if allow_config_change else set()
             changes = self._identity_changes(recorded, identity, allowed)
-        self.start = checkpointer.restore()
+        # A checkpoint past the history's last commit is of steps an earlier
+        # relaunch went back over (its newest checkpoint was unreadable then).
+        self.start = checkpointer.restore(newest=recorded["steps"] if recorded else None)
         self.saved_step = self.start  # The newest checkpoint's step (0: none).
         self.history = {"evals": [], "steps": 0, "wall_time_s": 0.0, "identity": identity}
         if self.start or _ended_diverged(recorded, identity):
@@ -112,14 +115,36 @@ class RunState:
         if not is_chief:
             self.writer = tf.summary.create_noop_writer()
             return
+        fault_points.reach("run state")
         if not self.finished:
             if self.start:  # The file first: a kill then leaves no "finished" without its end.
                 json_files.write_json(self._history_path, self.history)
             event_files.remove_end(run_dir)
         event_files.keep_through(run_dir, self.history["steps"])
-        self.writer = tf.summary.create_file_writer(run_dir)
+        # A finished run logs nothing more: no event file for this launch.
+        self.writer = (
+            tf.summary.create_noop_writer()
+            if self.finished
+            else tf.summary.create_file_writer(run_dir)
+        )
         if self.fresh:
             tensorboard_writers.write_config(self.writer, config_values)
+
+    def _read_history(self):
+        """The history file's content, or None if there is none.
+
+        Raises:
+            errors.InputError: if it is not JSON (it is written atomically:
+                damaged since).
+        """
+        try:
+            return json_files.read_json(self._history_path, None)
+        except ValueError as error:  # json.JSONDecodeError, a bad non-finite entry.
+            raise errors.InputError(
+                f"{self._history_path} is damaged ({type(error).__name__}: {error}): the run's "
+                "evaluations cannot be read. Restore it from a copy, or pass another "
+                "--model_dir to start over."
+            ) from None
 
     def _committed_history(self, history, identity, changes):
         """The history up to the restored step, with `changes` (of `_identity_changes`) recorded.
@@ -155,7 +180,9 @@ class RunState:
         recorded = _flat(history.get("identity", identity))
         current = _flat(identity)
         changed = sorted(
-            k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k)
+            k
+            for k in set(recorded) | set(current)
+            if recorded.get(k) != current.get(k) and not _added_since(k, recorded)
         )
         differences = ", ".join(f"{k}={recorded.get(k)!r} → {current.get(k)!r}" for k in changed)
         fixed = [k for k in changed if not any(k == a or k.startswith(f"{a}.") for a in allowed)]
@@ -248,6 +275,16 @@ def _ended_diverged(history, identity):
         and history.get("diverged", {}).get("stopped")
         and history.get("identity") == identity
     )
+
+
+def _added_since(key, recorded):
+    """Whether identity `key` is one a run recorded before the trainers kept it lacks.
+
+    The data's content digest (`data_checks.fingerprint`) came after its
+    names and sizes: a run recorded without it is resumed on the sizes alone
+    and records the digest from then on.
+    """
+    return key.startswith("data.") and key.endswith(".digest") and key not in recorded
 
 
 def _flat(values, prefix=""):

@@ -28,6 +28,7 @@ import keras
 from trainers.reporting import console
 from trainers.run import divergence
 from trainers.run import evaluation
+from trainers.run import fault_points
 from trainers.run import preemption
 from trainers.run import run_state
 
@@ -185,16 +186,22 @@ def train_and_evaluate(task, loop, runner):
     if data is not None:
         identity["data"] = data
     learning_rate = optimizer.get_config()["learning_rate"]  # A float, or a schedule's config.
-    with run_state.RunState(
-        loop.run_dir,
-        checkpointer,
-        task.config.flat_values(),
-        identity,
-        loop.train_steps,
-        is_chief=runner.is_chief,
-        allow_config_change=loop.allow_config_change,
-        changeable=task.config.changeable_keys() | {"data"},
-    ) as run:
+    with (
+        preemption.deferred() as stops,
+        run_state.RunState(
+            loop.run_dir,
+            checkpointer,
+            task.config.flat_values(),
+            identity,
+            loop.train_steps,
+            is_chief=runner.is_chief,
+            allow_config_change=loop.allow_config_change,
+            changeable=task.config.changeable_keys() | {"data"},
+        ) as run,
+    ):
+        # A stop asked during start-up: the restored step is all there is to keep.
+        if not run.finished and runner.any_worker(stops.signal is not None):
+            raise preemption.Stopped(loop.name, run.start, stops.signal or _TERM, saved=True)
         if isinstance(learning_rate, float):
             # The config's rate, not the checkpoint's: a changed rate takes effect.
             optimizer.learning_rate = learning_rate
@@ -207,8 +214,9 @@ def train_and_evaluate(task, loop, runner):
             task.train_dataset(run.start), model, optimizer, loss_fn, loop.batch_size
         )
         watch = divergence.Watch(model, runner.host_values, run.start)
-        history = train_and_log(run, task, loop, run_steps, model, watch, runner)
+        history = train_and_log(run, task, loop, run_steps, model, watch, runner, stops)
         if not run.finished:
+            fault_points.reach("run end")
             end_writer = run.end_writer()
             task.write_end(end_writer, history)
             end_writer.flush()
@@ -216,7 +224,7 @@ def train_and_evaluate(task, loop, runner):
         return history
 
 
-def train_and_log(run, task, loop, run_steps, model, watch, runner):
+def train_and_log(run, task, loop, run_steps, model, watch, runner, stops):
     """Trains from `run.start` to `loop.train_steps`, evaluating every `loop.eval_every` steps.
 
     Steps run in compiled chunks of at most `loop.steps_per_execution`
@@ -233,7 +241,7 @@ def train_and_log(run, task, loop, run_steps, model, watch, runner):
     checkpointed, one line says so, and with `loop.on_divergence` "stop" the
     run ends there.
 
-    A SIGTERM or SIGINT (`preemption.StopRequests`) stops the run after the
+    A SIGTERM or SIGINT (`stops`, the `preemption.StopRequests`) stops the run after the
     compiled call it arrives in, every worker at the same step
     (`runner.any_worker`): at the end of an interval after its commit, else
     after committing the interval's sums so far (`run.record_partial`) and
@@ -248,35 +256,34 @@ def train_and_log(run, task, loop, run_steps, model, watch, runner):
     progress = console.Progress(loop.name, run.start, loop.train_steps)
     # Where training stands, also mid-interval: what an interruption reports.
     position = {"step": run.start}
-    with preemption.StopRequests() as stops:
 
-        def stop_requested():
-            return runner.any_worker(stops.signal is not None)
+    def stop_requested():
+        return runner.any_worker(stops.signal is not None)
 
-        while position["step"] < loop.train_steps and not run.finished:
-            try:
-                diverged = _interval(
-                    run, task, loop, run_steps, (model, watch), position, began, stop_requested
-                )
-            except KeyboardInterrupt as interrupted:
-                progress.end_line()
-                if isinstance(interrupted, _Stop):
-                    raise preemption.Stopped(
-                        loop.name, position["step"], stops.signal or _TERM, interrupted.saved
-                    ) from None
-                raise console.Interrupted(loop.name, position["step"], run.saved_step) from None
-            record = history["evals"][-1]
-            progress.update(
-                position["step"],
-                {k: v for k, v in record.items() if k != "step" and isinstance(v, float)},
+    while position["step"] < loop.train_steps and not run.finished:
+        try:
+            diverged = _interval(
+                run, task, loop, run_steps, (model, watch), position, began, stop_requested
             )
-            if diverged:
-                break
-            # At the last step the run ends as usual: nothing is left to stop.
-            if position["step"] < loop.train_steps and stop_requested():
-                progress.end_line()
-                saved = run.saved_step == position["step"]
-                raise preemption.Stopped(loop.name, position["step"], stops.signal or _TERM, saved)
+        except KeyboardInterrupt as interrupted:
+            progress.end_line()
+            if isinstance(interrupted, _Stop):
+                raise preemption.Stopped(
+                    loop.name, position["step"], stops.signal or _TERM, interrupted.saved
+                ) from None
+            raise console.Interrupted(loop.name, position["step"], run.saved_step) from None
+        record = history["evals"][-1]
+        progress.update(
+            position["step"],
+            {k: v for k, v in record.items() if k != "step" and isinstance(v, float)},
+        )
+        if diverged:
+            break
+        # At the last step the run ends as usual: nothing is left to stop.
+        if position["step"] < loop.train_steps and stop_requested():
+            progress.end_line()
+            saved = run.saved_step == position["step"]
+            raise preemption.Stopped(loop.name, position["step"], stops.signal or _TERM, saved)
     return history
 
 
@@ -327,6 +334,7 @@ def _interval(run, task, loop, run_steps, model_and_watch, position, began, stop
         "steps": step - sums["interval_start"],
         "seconds": sums["seconds"] + time.time() - tick,
     }
+    fault_points.reach("evaluation")
     record = evaluation.evaluate(task, loop, model, step, interval)
     problem = watch.check(record, step)
     if problem is not None:

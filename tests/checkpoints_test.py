@@ -1,0 +1,155 @@
+"""How the workers of a job agree on the checkpoint they resume from, and what saves leave.
+
+The agreement runs through the job's collectives (`checkpoints.OneProcess`
+names them); here a job of two workers is stood in for by `_PairedJob`,
+which plays the other worker's answers, so the protocol's cases run in one
+process. The TensorFlow checkpointer's own files are checked on a small
+model: a non-chief worker's scratch directory (one a killed launch left
+included), the removal of old and stale checkpoints.
+"""
+
+import os
+import tempfile
+from unittest import mock
+
+from absl.testing import absltest
+import keras
+import tensorflow as tf
+
+from trainers.run import checkpoints
+from trainers.run import errors
+
+
+class _PairedJob:
+    """A job of two workers seen from one of them: the other reads what `other_reads` allows."""
+
+    num_workers = 2
+
+    def __init__(self, is_chief, chief_steps=(), other_reads=lambda step: True):
+        self.is_chief = is_chief
+        self._chief_steps = list(chief_steps)
+        self._other_reads = other_reads
+        self.named = []
+
+    def chief_value(self, value):
+        if not self.is_chief:  # The chief names its next candidate.
+            value = self._chief_steps.pop(0) if self._chief_steps else 0
+        self.named.append(value)
+        return value
+
+    def any_worker(self, flag):
+        return flag or not self._other_reads(self.named[-1])
+
+
+class RestoreAgreementTest(absltest.TestCase):
+    def test_every_worker_resumes_where_all_of_them_read(self):
+        read = []
+        job = _PairedJob(is_chief=True, other_reads=lambda step: step != 12)
+        with self.assertLogs("absl", level="INFO") as logs:
+            step = checkpoints.restore_newest_readable(
+                [(12, "ckpt-12"), (8, "ckpt-8")], read.append, "checkpoints", job
+            )
+        self.assertEqual((step, read), (8, [12, 8]))
+        messages = [r.getMessage() for r in logs.records]
+        self.assertIn(
+            "Checkpoint ckpt-12 is unreadable on another worker, trying an older one", messages
+        )
+        self.assertIn("Resumed from ckpt-8 at step 8 (all 2 workers)", messages)
+
+    def test_a_worker_follows_the_steps_the_chief_names_not_its_own_listing(self):
+        read = []
+
+        def reader(step):
+            read.append(step)
+            if step == 12:
+                raise ValueError("read less bytes than requested")
+
+        job = _PairedJob(is_chief=False, chief_steps=[12, 8])
+        self.assertEqual(checkpoints.restore_newest_readable([], reader, "checkpoints", job), 8)
+        self.assertEqual(read, [12, 8])
+
+    def test_none_readable_by_every_worker_is_one_error(self):
+        job = _PairedJob(is_chief=True, other_reads=lambda step: False)
+        with self.assertRaisesRegex(
+            errors.InputError,
+            r"No checkpoint in checkpoints is readable \(ckpt-12, ckpt-8; the newest: unreadable "
+            r"on another worker\)",
+        ):
+            checkpoints.restore_newest_readable(
+                [(12, "ckpt-12"), (8, "ckpt-8")], lambda step: None, "checkpoints", job
+            )
+
+
+def _model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def _checkpointer(run_dir, job=None, worker="chief"):
+    step = tf.Variable(0, dtype=tf.int64)
+    return checkpoints.TFCheckpointer(run_dir, 2, step, *_model(), job=job, worker=worker)
+
+
+class TFCheckpointerFilesTest(absltest.TestCase):
+    def test_a_non_chief_scratch_directory_a_killed_launch_left_is_removed(self):
+        tmp, run_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
+        with mock.patch.object(tempfile, "tempdir", tmp):
+            scratch = checkpoints.worker_scratch_dir(run_dir, "worker_1")
+            os.makedirs(os.path.join(scratch, "ckpt-4_temp"))  # What a SIGKILL left.
+            job = _PairedJob(is_chief=False)
+            checkpointer = _checkpointer(run_dir, job, "worker_1")
+            self.assertEqual(os.listdir(scratch), [])
+            checkpointer.save(4)
+            self.assertEqual(os.listdir(scratch), [])  # Emptied after each save.
+            checkpointer.close()
+            self.assertEqual(os.listdir(tmp), [])
+        self.assertFalse(os.path.exists(os.path.join(run_dir, "checkpoints")))
+
+    def test_saves_keep_the_newest_and_drop_stale_later_ones(self):
+        run_dir = tempfile.mkdtemp()
+        checkpointer = _checkpointer(run_dir)
+        for step in (4, 8, 12):
+            checkpointer.save(step)
+        directory = os.path.join(run_dir, "checkpoints")
+        self.assertEqual([s for s, _ in checkpoints.checkpoint_prefixes(directory)], [12, 8])
+        # A relaunch that went back to step 8 (12 was unreadable then) saves 10, then 12.
+        self.assertEqual(_checkpointer(run_dir).restore(newest=8), 8)
+        checkpointer.save(10)
+        self.assertEqual([s for s, _ in checkpoints.checkpoint_prefixes(directory)], [10, 8])
+        state = tf.train.get_checkpoint_state(directory)
+        self.assertEqual(os.path.basename(state.model_checkpoint_path), "ckpt-10")
+        self.assertEqual(sorted(os.listdir(directory))[0], "checkpoint")
+        self.assertFalse([n for n in os.listdir(directory) if "tmp" in n or "temp" in n])
+
+    def test_a_state_file_of_garbage_bytes_is_rebuilt(self):
+        run_dir = tempfile.mkdtemp()
+        checkpointer = _checkpointer(run_dir)
+        for step in (4, 8):
+            checkpointer.save(step)
+        directory = os.path.join(run_dir, "checkpoints")
+        with open(os.path.join(directory, "checkpoint"), "wb") as f:
+            f.write(bytes(range(128, 256)))  # Not UTF-8: TensorFlow's reader raises on it.
+        with self.assertLogs("absl", level="WARNING"):
+            self.assertEqual(_checkpointer(run_dir).restore(), 8)
+        state = tf.train.get_checkpoint_state(directory)
+        self.assertEqual(os.path.basename(state.model_checkpoint_path), "ckpt-8")
+
+    def test_a_deletion_killed_after_its_index_leaves_data_the_next_start_removes(self):
+        run_dir = tempfile.mkdtemp()
+        checkpointer = _checkpointer(run_dir)
+        for step in (4, 8):
+            checkpointer.save(step)
+        directory = os.path.join(run_dir, "checkpoints")
+        os.remove(os.path.join(directory, "ckpt-4.index"))  # The deletion's first half.
+        _checkpointer(run_dir)
+        self.assertFalse([n for n in os.listdir(directory) if n.startswith("ckpt-4")])
+        state = tf.train.get_checkpoint_state(directory)
+        self.assertEqual(
+            [os.path.basename(p) for p in state.all_model_checkpoint_paths], ["ckpt-8"]
+        )
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,119 @@
+"""Files written whole or not at all, and what a killed write leaves behind.
+
+`write_bytes(path, data)` writes `data` into a temporary file beside `path`
+and renames it over `path`. On a local disk it flushes the temporary file to
+the disk (fsync) before the rename and the directory after it: at any instant
+a kill or a power loss leaves the old file or the new one, never a mix, and
+once `write_bytes` returns the new one survives a power loss. `commit` does
+the same for a temporary file written by another writer (a TFRecord writer).
+
+On an object store (a `gs://` path, written through `tf.io.gfile`) an object
+appears whole when its writer closes, so a reader never sees half of one; but
+a rename there is a copy and then a delete, and there is no fsync: a kill
+between the copy and the delete leaves both names.
+
+Every temporary name starts with `TEMP_PREFIX` and holds the writer's pid and
+a random token, so no two writers share one, and none contains "tfevents"
+(TensorBoard reads every file whose name does). A write killed before its
+rename leaves its temporary file; `remove_leftovers` removes them (the chief
+does, under the --model_dir lock, before it writes).
+"""
+
+import os
+import shutil
+import uuid
+
+from trainers.run import fault_points
+from trainers.run import model_dirs
+
+TEMP_PREFIX = ".keras_bn-tmp."
+
+
+def temporary_path(path):
+    """A fresh temporary name in `path`'s directory, this process's own."""
+    return os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{os.getpid()}.{uuid.uuid4().hex}")
+
+
+def write_bytes(path, data):
+    """Writes `data` to `path` atomically (see the module docstring)."""
+    tmp = temporary_path(path)
+    local = model_dirs.local_path(tmp)
+    if local is None:
+        import tensorflow as tf
+
+        with tf.io.gfile.GFile(tmp, "wb") as f:
+            f.write(data)
+    else:
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    commit(tmp, path)
+
+
+def write_text(path, text):
+    """Writes `text` (UTF-8) to `path` atomically."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def commit(tmp, path):
+    """Renames the written temporary file `tmp` over `path`, durably on a local disk.
+
+    The fault point "rename <name of path>" comes just before the rename.
+    """
+    fault_points.reach(f"rename {os.path.basename(path)}")
+    if model_dirs.local_path(path) is None:
+        import tensorflow as tf
+
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+        return
+    tmp, path = model_dirs.local_path(tmp), model_dirs.local_path(path)
+    _fsync(tmp, os.O_RDONLY)
+    os.replace(tmp, path)
+    _fsync(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path, flags):
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(root):
+    """Removes the temporary files and directories killed writes left under `root`.
+
+    Returns their paths. Call it only while no other process writes under
+    `root` (the chief, holding the --model_dir lock).
+    """
+    local = model_dirs.local_path(root)
+    if local is None:
+        import tensorflow as tf
+
+        found = [
+            os.path.join(directory, name)
+            for directory, subdirs, files in tf.io.gfile.walk(root)
+            for name in subdirs + files
+            if name.startswith(TEMP_PREFIX)
+        ]
+        for path in found:
+            if tf.io.gfile.isdir(path):
+                tf.io.gfile.rmtree(path)
+            elif tf.io.gfile.exists(path):
+                tf.io.gfile.remove(path)
+        return found
+    found = []
+    for directory, subdirs, files in os.walk(local):
+        for name in [n for n in subdirs if n.startswith(TEMP_PREFIX)]:
+            subdirs.remove(name)
+            found.append(os.path.join(directory, name))
+            shutil.rmtree(found[-1], ignore_errors=True)
+        for name in files:
+            if name.startswith(TEMP_PREFIX):
+                found.append(os.path.join(directory, name))
+                os.remove(found[-1])
+    return found
