@@ -49,13 +49,14 @@ class EngineContext:
             and `all_reduce(op, value)`) whose replicas synchronise.
         mesh_replicas: replicas on the batch axis of the current
             `keras.distribution` (JAX); 1 elsewhere.
-        own_copies: whether each replica keeps moving statistics of its own
-            that nothing averages (`torch.distributed`'s ranks).
+        separate_processes: whether each replica is a process of its own
+            (`torch.distributed`'s ranks): its moving statistics are a copy of
+            its own that nothing averages, and its batch size its own.
     """
 
     replica_context: Any = None
     mesh_replicas: int = 1
-    own_copies: bool = False
+    separate_processes: bool = False
 
     @property
     def replicas(self):
@@ -82,7 +83,7 @@ def current_context(synchronized):
         replicas = torch_replicas.current()
         if replicas is None:
             return _LOCAL
-        return EngineContext(replica_context=replicas, own_copies=True)
+        return EngineContext(replica_context=replicas, separate_processes=True)
     import tensorflow as tf  # Only the synchronised path needs it.
 
     return EngineContext(replica_context=tf.distribute.get_replica_context())
@@ -189,7 +190,8 @@ class BatchPlan:
                 statistics=dtype or "float32",
             )
             if kernel is not None:
-                return kernel.train(x, _per_feature(gamma), _per_feature(beta), epsilon)
+                y, moving = kernel.train(x, _per_feature(gamma), _per_feature(beta), epsilon)
+                return y, self._copies_mean(moving)
         x = cast(x, dtype or x.dtype)
         if broadcast_shape is not None:
             gamma = _broadcast(gamma, 1.0, broadcast_shape, x.dtype)
@@ -219,10 +221,17 @@ class BatchPlan:
             groups=self.groups,
             kernel=merged_kernel,
         )
-        moving = self._pool(count, mean, variance)
-        if self.copies is not None:
-            moving = tuple(moments.mean_over_replicas(self.copies, moving))
-        return self._merge(y), moving
+        return self._merge(y), self._copies_mean(self._pool(count, mean, variance))
+
+    def _copies_mean(self, moving):
+        """The moments for the moving statistics, averaged over `copies`' replicas if set.
+
+        Every call takes this one all-reduce when `copies` is set, whichever
+        kernel ran: a rank whose batch takes another path joins it too.
+        """
+        if self.copies is None:
+            return moving
+        return moments.mean_over_replicas(self.copies, *moving)
 
     def _split(self, x):
         """(B, ...) → (S, B/S, ...); the identity when not sliced."""
@@ -308,6 +317,10 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
             f"on the distribution's batch axis. Received: batch_size={batch_size}, replicas={mesh}"
         )
     if synchronized and virtual_batch_size is not None and batch_reduced:
+        if context.separate_processes and replicas > 1:
+            # Each rank plans from its own batch: they must agree, or they would
+            # not meet in the same collectives.
+            context.replica_context.check_same("the per-rank batch", batch_size)
         per_replica = None if batch_size is None else batch_size // mesh
         group_size, virtual_batch_size = _groups_of_examples(
             virtual_batch_size, per_replica, replicas
@@ -324,7 +337,7 @@ def make_plan(context, batch_size, *, batch_reduced, synchronized, group_size, v
             groups = moments.ReplicaGroups(context.replica_context, group_size)
         # Statistics of fewer than all replicas (groups, ghost batches) differ between them.
         narrower = (group_size or replicas) < replicas or virtual_batch_size is not None
-        if context.own_copies and narrower:
+        if context.separate_processes and narrower:
             copies = context.replica_context
     if not batch_reduced:
         return BatchPlan(groups=groups, copies=copies)

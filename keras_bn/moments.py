@@ -246,16 +246,27 @@ class ReplicaGroups:
             ) from error
 
 
-def mean_over_replicas(context, values):
-    """Each of `values` (tensors of one dtype) averaged over `context`'s replicas, in one sum."""
-    flat = ops.concatenate([ops.reshape(v, (-1,)) for v in values], axis=0)
-    total = context.all_reduce("SUM", flat) / float(context.num_replicas_in_sync)
-    out, start = [], 0
-    for value in values:
-        size = _size(value)
-        out.append(ops.reshape(total[start : start + size], ops.shape(value)))
-        start += size
-    return out
+def mean_over_replicas(context, count, mean, variance):
+    """`(count, mean, variance)` averaged over `context`'s replicas that have values, in one sum.
+
+    A replica whose statistic is of fewer than 2 values (an empty batch, one
+    value per feature) moves no moving statistic on its own, so it is left
+    out, per feature; with none left the count is 0 and nothing moves. The
+    others weigh equally, as tf.distribute's mean of its replicas' copies.
+    """
+    count = ops.convert_to_tensor(count, mean.dtype)
+    has = ops.cast(ops.broadcast_to(count, ops.shape(mean)) > 1.0, mean.dtype)
+    parts = [has, has * ops.broadcast_to(count, ops.shape(mean)), has * mean, has * variance]
+    flat = ops.concatenate([ops.reshape(p, (-1,)) for p in parts], axis=0)
+    total = context.all_reduce("SUM", flat)
+    size = _size(mean)
+    has_total, count_total, mean_total, variance_total = (
+        ops.reshape(total[i * size : (i + 1) * size], ops.shape(mean)) for i in range(4)
+    )
+    averaged = [over_count(v, has_total) for v in (count_total, mean_total, variance_total)]
+    if len(count.shape) == 0 or _size(count) == 1:  # One count for every feature stays one.
+        averaged[0] = ops.reshape(ops.max(averaged[0]), ops.shape(count))
+    return tuple(averaged)
 
 
 def _size(tensor):

@@ -65,13 +65,15 @@ def estimate_population_statistics(model, dataset, num_batches):
     - under a `tf.distribute` strategy (call it inside the strategy's
       scope), each global batch of `dataset` is split over the replicas as
       `fit` splits it (`experimental_distribute_dataset`; a distributed
-      dataset is taken as it is, other batches are split evenly), and the
-      replicas' sums are all-reduced after each pass;
+      dataset is taken as it is, other batches are split evenly over the
+      replicas of the worker reading them), and the replicas' sums are
+      all-reduced after each pass;
     - under JAX's `keras.distribution` the layers see the global batch and
       pool their replicas' moments themselves (equal slices of it);
     - under `torch.distributed`, each rank reads its own `dataset` (its
       shard), and the ranks' sums are all-reduced once at the end: every
-      rank must call this with the same `num_batches`.
+      rank must call this with the same `num_batches` and have that many
+      batches (synchronised layers all-reduce in every pass).
 
     The passes are compiled once per call on TensorFlow (`tf.function`) and
     JAX (`jax.jit` of the model's `stateless_call`), and run eagerly on
@@ -217,9 +219,10 @@ class _TorchRanks(_OneProcess):
         for s in sums:
             out.append(flat[start : start + s.size].reshape(s.shape))
             start += s.size
-        # Batches, each rank's own: the mean over the ranks.
+        # Batches read over every rank (none anywhere: no batch); batches each layer moved
+        # for: each rank's own, their mean over the ranks.
         ranks = self.replicas.num_replicas_in_sync
-        return out, int(round(flat[start] / ranks)), np.round(flat[start + 1 :] / ranks)
+        return out, int(flat[start]), np.round(flat[start + 1 :] / ranks)
 
 
 class _TFReplicas:
@@ -263,13 +266,15 @@ class _TFReplicas:
 
 
 def _split(strategy, batch):
-    """A batch of this process split evenly over the strategy's local replicas."""
+    """A batch of this process split evenly over the strategy's replicas in this process."""
     inputs = batch[0] if isinstance(batch, tuple) else batch
+    local = len(strategy.extended.worker_devices)
 
     def part(context):
-        index, count = context.replica_id_in_sync_group, context.num_replicas_in_sync
+        # Replicas are numbered worker by worker: this worker's are consecutive.
+        index = context.replica_id_in_sync_group % local
         return keras.tree.map_structure(
-            lambda a: np.array_split(np.asarray(a), count)[index], inputs
+            lambda a: np.array_split(np.asarray(a), local)[index], inputs
         )
 
     return strategy.experimental_distribute_values_from_function(part)

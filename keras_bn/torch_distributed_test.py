@@ -5,10 +5,11 @@ CPU processes (gloo) of `tests/torch_sync_worker.py`, which compares each
 rank's synchronised layer with one layer on the whole global batch: forward
 outputs, input gradients, γ's and β's gradients (summed over the ranks) and
 the moving statistics, for equal, unequal and empty ranks, a mask, a conv
-map, `torch.compile`, replica groups, virtual batches over groups of ranks
-and ghost batches within a rank, and a `DistributedDataParallel` model
-trained a few SGD steps. Runs under `KERAS_BACKEND=torch` (CI's PyTorch
-suite); skipped elsewhere.
+map, `torch.compile`, replica groups, virtual batches over groups of ranks,
+ghost batches within a rank and `accumulation_steps`; a
+`DistributedDataParallel` model trained a few SGD steps; and
+`estimate_population_statistics` over every rank's batches. Runs under
+`KERAS_BACKEND=torch` (CI's PyTorch suite); skipped elsewhere.
 """
 
 import json
@@ -35,6 +36,11 @@ _CASES = {
     "compiled",
     "ghost_batches",
     "ddp",
+    "accumulation",
+    "own_batch",
+    "own_batch_virtual",
+    "second_order",
+    "unequal_virtual_batches",
     "population",
     "population_synchronized",
 }

@@ -67,15 +67,32 @@ class TorchReplicas:
                 f"{self.replica_id_in_sync_group}, as when a rank is lost ({words})"
             ) from None
 
+    def check_same(self, name, value):
+        """Raises `ValueError` on every rank unless every rank passed the same int `value`."""
+        import torch
+        import torch.distributed as dist
+
+        extremes = torch.tensor([value, -value], dtype=torch.int64, device=_device())
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._group)
+        high, low = int(extremes[0]), -int(extremes[1])
+        if high != low:
+            raise ValueError(
+                f"With synchronized=True and virtual_batch_size, {name} must be the same on "
+                f"every rank: it is between {low} and {high}. Received: {name}={value} on rank "
+                f"{self.replica_id_in_sync_group}"
+            )
+
     def group(self, size):
         """The replicas of this rank's group of `size` consecutive ranks (`size` divides them)."""
         import torch.distributed as dist
 
-        groups = _GROUPS.get(size)
+        # Made for this default group: a new `init_process_group` gets its own.
+        key = (dist.group.WORLD, size)
+        groups = _GROUPS.get(key)
         if groups is None:
             world = self.num_replicas_in_sync
             groups = [dist.new_group(list(range(g, g + size))) for g in range(0, world, size)]
-            _GROUPS[size] = groups
+            _GROUPS[key] = groups
         rank = self.replica_id_in_sync_group
         return TorchReplicas(groups[rank // size], size, rank % size)
 
@@ -85,9 +102,19 @@ def sum_over_ranks(values):
     import torch
     import torch.distributed as dist
 
-    total = torch.as_tensor(values, dtype=torch.float64).clone()
+    total = torch.as_tensor(values, dtype=torch.float64).to(_device())
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.numpy()
+    return total.cpu().numpy()
+
+
+def _device():
+    """Where the default group's collectives take tensors: NCCL's on this rank's GPU."""
+    import torch
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _sum_function():
@@ -100,14 +127,14 @@ def _sum_function():
             @staticmethod
             def forward(ctx, value, group):
                 ctx.group = group
-                total = value.clone()
+                total = value.contiguous().clone()
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
                 return total
 
             @staticmethod
             def backward(ctx, gradient):
                 # Every rank's output is the sum of every rank's input.
-                return AllReduceSum.apply(gradient, ctx.group), None
+                return AllReduceSum.apply(gradient.contiguous(), ctx.group), None
 
         _SUM.append(AllReduceSum)
     return _SUM[0]

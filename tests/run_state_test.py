@@ -23,6 +23,7 @@ from tests import inception_bn_test
 from tests import mnist_sigmoid_test
 from tests import run_outputs
 from tests import tensorboard_events
+from trainers.run import checkpoints
 from trainers.run import errors
 from trainers.run import event_files
 from trainers.run import run_state
@@ -56,6 +57,8 @@ def _tf_checkpoint_files(run_dir, step):
 
 class _Restored:
     """A checkpointer that holds a checkpoint of `step`, restored whatever `newest` says."""
+
+    job = checkpoints.OneProcess
 
     def __init__(self, step):
         self.step = step

@@ -347,9 +347,9 @@ class Soak:
             candidates = [i for i in range(len(points)) if choices is None or points[i] in choices]
         if not candidates:
             return None
-        # Half the time, the first point not struck yet in this soak (every write point in
-        # turn, those of the run's end and of its start included).
-        fresh = [i for i in range(start, len(points)) if points[i] not in self.points_struck]
+        # Half the time, the first point not struck yet in this soak within the horizon
+        # (every write point in turn; the end's once the run is near it).
+        fresh = [i for i in range(start, horizon) if points[i] not in self.points_struck]
         fresh = [i for i in fresh if choices is None or points[i] in choices]
         if fresh and self.rng.random() < 0.5:
             index = fresh[0]

@@ -192,7 +192,7 @@ def _records(path):
 def files_to_rewrite(run_dir, committed):
     """How many of the run's event files hold events after `committed` or a torn end."""
     count = 0
-    for name in os.listdir(run_dir):
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
         if not name.startswith("events.out.tfevents.") or name.endswith(".end"):
             continue
         path = os.path.join(run_dir, name)

@@ -77,6 +77,7 @@ def _compare_layer(name, rows, rank, world, shape=(C,), mask=False, compiled=Fal
     beta = rng.normal(0.0, 0.2, (shape[-1],)).astype("float32")
     start = sum(rows[:rank])
     rows_here = slice(start, start + rows[rank])
+    breaks = []  # Graph breaks and graphs beyond one of a compiled call.
 
     def run(layer, x, weights, keep, compiled=False):
         layer.build((None, *shape))
@@ -85,7 +86,15 @@ def _compare_layer(name, rows, rank, world, shape=(C,), mask=False, compiled=Fal
         x = torch.tensor(x, requires_grad=True)
         m = None if keep is None else torch.tensor(keep > 0)
         call = lambda x, m: layer(x, training=True, mask=m)
-        y = (torch.compile(call) if compiled else call)(x, m)
+        if compiled:
+            # Traced whole, the all-reduce included: a graph break counts as an error. (On a
+            # layer of its own: explaining runs the call, which moves the statistics.)
+            probe = _layer(synchronized=True, **kwargs)
+            probe.build((None, *shape))
+            report = torch._dynamo.explain(lambda x, m: probe(x, training=True, mask=m))(x, m)
+            breaks.append(len(report.break_reasons) + report.graph_count - 1)
+            call = torch.compile(call)
+        y = call(x, m)
         loss = torch.sum(y * torch.tensor(weights))
         loss.backward()
         grads = [layer.gamma.value.grad, layer.beta.value.grad]
@@ -111,13 +120,20 @@ def _compare_layer(name, rows, rank, world, shape=(C,), mask=False, compiled=Fal
     reference = run(_layer(**single_kwargs), x, weights, keep)
     if "sync_group_size" in kwargs:
         # Every rank keeps the mean over the groups' moving statistics (as tf.distribute's
-        # replicas' copies are read): the mean over ranks of their groups' references.
+        # replicas' copies are read) of the groups that have values (two or more): the
+        # mean over those ranks of their groups' references.
+        has = 1.0 if group.stop - group.start > 1 else 0.0
+        ranks_with_values = torch.tensor(has)
+        dist.all_reduce(ranks_with_values)
+        for i, value in enumerate(reference[3]):
+            value = torch.tensor(value) * has
+            dist.all_reduce(value)
+            reference[3][i] = (value / ranks_with_values).numpy()
         # γ's and β's gradients add up over the groups: each group's reference, once.
-        for values, over in ((reference[3], world), (reference[2], kwargs["sync_group_size"])):
-            for i, value in enumerate(values):
-                value = torch.tensor(value)
-                dist.all_reduce(value)
-                values[i] = (value / over).numpy()
+        for i, value in enumerate(reference[2]):
+            value = torch.tensor(value)
+            dist.all_reduce(value)
+            reference[2][i] = (value / kwargs["sync_group_size"]).numpy()
     # γ's and β's gradients: each rank's own sums, which data parallelism adds up.
     sums = [torch.tensor(g) for g in sync[2]]
     for g in sums:
@@ -130,6 +146,8 @@ def _compare_layer(name, rows, rank, world, shape=(C,), mask=False, compiled=Fal
         "moving_mean": _relative(sync[3][0], reference[3][0]),
         "moving_variance": _relative(sync[3][1], reference[3][1]),
     }
+    if compiled:
+        errors["graph_breaks"] = float(breaks[0])
     _report(name, rank, errors)
 
 
@@ -168,6 +186,63 @@ def _ddp(rank, world, steps=3):
     single = train(model(False), slice(None), False)
     errors = {f"weight_{i}": _relative(a, b) for i, (a, b) in enumerate(zip(distributed, single))}
     _report("ddp", rank, errors)
+
+
+def _second_order(rank, world, rows=4):
+    """A gradient penalty's gradient: γ's, summed over the ranks, against one process's."""
+    rng = np.random.default_rng(13)
+    x = rng.normal(1.0, 2.0, (world * rows, C)).astype("float32")
+    w = rng.normal(size=(world * rows, C)).astype("float32")
+
+    def gamma_gradient(layer, x, w):
+        layer.build((None, C))
+        x = torch.tensor(x, requires_grad=True)
+        loss = torch.sum(layer(x, training=True) * torch.tensor(w))
+        (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+        torch.sum(dx**2).backward()  # The penalty of each example's input gradient.
+        return layer.gamma.value.grad.detach()
+
+    mine = slice(rank * rows, (rank + 1) * rows)
+    synced = gamma_gradient(_layer(synchronized=True), x[mine], w[mine])
+    dist.all_reduce(synced)
+    single = gamma_gradient(_layer(), x, w)
+    _report("second_order", rank, {"gamma_gradient": _relative(synced.numpy(), single.numpy())})
+
+
+def _unequal_virtual_batches(rank, world):
+    """Ranks of other batch sizes with `virtual_batch_size`: every rank refuses, none hangs."""
+    layer = _layer(synchronized=True, virtual_batch_size=2)
+    try:
+        layer(torch.ones((2 + 2 * rank, C)), training=True)
+    except ValueError as error:
+        refused = "must be the same on every rank" in str(error)
+    else:
+        refused = False
+    _report("unequal_virtual_batches", rank, {"not_refused": 0.0 if refused else 1.0})
+
+
+def _accumulation(rank, world, steps=2, rows=3):
+    """`accumulation_steps`: one update from the pooled moments of `steps` micro-batches.
+
+    Each micro-batch is normalised with the moments of every rank's rows of it; the moving
+    statistics move once, from the micro-batches pooled, as one process's layer moves on the
+    global micro-batches.
+    """
+    rng = np.random.default_rng(9)
+    data = rng.normal(2.0, 3.0, (steps, world * rows, C)).astype("float32")
+    synced = _layer(synchronized=True, accumulation_steps=steps)
+    single = _layer(accumulation_steps=steps)
+    errors = {}
+    for step, batch in enumerate(data):
+        mine = synced(torch.tensor(batch[rank * rows : (rank + 1) * rows]), training=True)
+        whole = single(torch.tensor(batch), training=True)
+        rows_here = whole.detach().numpy()[rank * rows : (rank + 1) * rows]
+        errors[f"output_{step}"] = _relative(mine.detach().numpy(), rows_here)
+    errors["moving_mean"] = _relative(synced.moving_mean.numpy(), single.moving_mean.numpy())
+    errors["moving_variance"] = _relative(
+        synced.moving_variance.numpy(), single.moving_variance.numpy()
+    )
+    _report("accumulation", rank, errors)
 
 
 def _population(rank, world, synchronized, steps=3, rows=4):
@@ -244,7 +319,14 @@ def main():
             # Two ranks' rows of 2 examples each: each group of 2 ranks is one virtual batch.
             _compare_layer("virtual_groups", [2] * world, rank, world, virtual_batch_size=4)
         _compare_layer("ghost_batches", [4] * world, rank, world, virtual_batch_size=2)
+        # Each rank's own batch, and ghost batches of it, with an empty rank: the moving
+        # statistics still averaged over the ranks that have values, in one collective.
+        _compare_layer("own_batch", [0] + [4] * (world - 1), rank, world, sync_group_size=1)
+        _compare_layer("own_batch_virtual", [4] * world, rank, world, virtual_batch_size=4)
+        _second_order(rank, world)
+        _unequal_virtual_batches(rank, world)
         _ddp(rank, world)
+        _accumulation(rank, world)
         _population(rank, world, synchronized=False)
         _population(rank, world, synchronized=True)
     finally:

@@ -17,7 +17,9 @@ step S (path)". `reporting` gives the context a trainer's `main` runs in.
   program) that passes every line on and, should the process abort so,
   prints the one line instead of the dump; the abort itself then ends the
   process with status 1, as every other one-line ending does, not with
-  SIGABRT's 134 (`_exit_1_on_abort`). The Python-visible error ends the
+  SIGABRT's 134 (`_exit_1_on_abort`), and a process still running 20 s
+  after its dump (an abort handler that could not run) is SIGKILLed by the
+  watcher, so none hangs. The Python-visible error ends the
   process at once (`_end_process`): JAX's exit would wait at its shutdown
   barrier for the lost peer, then abort.
 """
@@ -28,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 from absl import logging
 
@@ -323,7 +326,7 @@ class _StderrWatcher:
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", __name__, program, model_dir]
-                + [str(job.this), str(job.processes), job.coordinator],
+                + [str(job.this), str(job.processes), job.coordinator, str(os.getpid())],
                 stdin=subprocess.PIPE,
                 stdout=2,
                 env=dict(os.environ, PYTHONPATH=path),
@@ -359,12 +362,20 @@ class _StderrWatcher:
             self._process.kill()
 
 
-def _watch(program, model_dir, job, lines, out):
+# How long the watched process may still run once its fatal dump is whole: its abort
+# ends it at once (`_exit_1_on_abort`); one that hangs instead is killed.
+_AFTER_DUMP_S = 20
+
+
+def _watch(program, model_dir, job, lines, out, watched=None):
     """Passes `lines` on to `out` (a binary file); a fatal JAX dump becomes the one line.
 
     The line goes out once the fatal message is whole (a stack begins), or at
     the end: not only when the pipe closes, which a child process of the
-    watched one holding it open would delay.
+    watched one holding it open would delay. Once the line is out, the
+    `watched` process (a pid) is SIGKILLed if it still runs `_AFTER_DUMP_S`
+    later: an abort that hangs (the C handler waiting for Python's lock)
+    never holds the job.
     """
     dump = None
     said = False  # Whether the process said the loss itself (`_end_process`).
@@ -373,6 +384,10 @@ def _watch(program, model_dir, job, lines, out):
             dump.append(line)
             if any(end in line for end in _DUMP_ENDS) and not said:
                 said = _say(program, model_dir, job, dump, out)
+                if watched is not None:
+                    timer = threading.Timer(_AFTER_DUMP_S, _kill, (watched,))
+                    timer.daemon = True  # The pipe's end (the process's) ends the watcher.
+                    timer.start()
         elif _JAX_FATAL in line or _GLOO_ABORT in line:
             dump = [line]
         elif _FATAL_NOTE not in line:
@@ -381,6 +396,11 @@ def _watch(program, model_dir, job, lines, out):
             out.flush()
     if dump is not None and not said:
         _say(program, model_dir, job, dump, out)
+
+
+def _kill(pid):
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _say(program, model_dir, job, dump, out):
@@ -396,6 +416,7 @@ if __name__ == "__main__":
     # session of its own: signals for the watched process's group miss it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _program, _model_dir, _this, _processes, _coordinator = sys.argv[1:]
+    _program, _model_dir, _this, _processes, _coordinator, *_watched = sys.argv[1:]
     _job = _JaxJob(int(_this), int(_processes), _coordinator)
-    _watch(_program, _model_dir, _job, sys.stdin.buffer, sys.stdout.buffer)
+    _pid = int(_watched[0]) if _watched else None
+    _watch(_program, _model_dir, _job, sys.stdin.buffer, sys.stdout.buffer, _pid)

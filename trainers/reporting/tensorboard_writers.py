@@ -10,15 +10,18 @@ Figures: `trainers.reporting.figures`.
 """
 
 import contextlib
+import hashlib
 import os
+import shutil
+import tempfile
 
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 import tensorflow as tf
 
 import keras_bn
-from trainers.run import atomic_files
 from trainers.run import event_files
+from trainers.run import model_dirs
 
 # A root's parts are event files of fixed names, replaced whole: "tfevents" makes TensorBoard
 # read them.
@@ -62,12 +65,15 @@ def root_events(directory, part):
 
     The root's summaries (the dashboards a run logs at its start, the figures
     at its end) are logged again by every launch. Each part is one event file
-    of a fixed name, `ROOT_PREFIX + part`: the writer writes into a temporary
-    directory, and when the block ends without an error its events replace
-    that file atomically. A kill at any instant leaves the part as the last
-    launch to finish it wrote it, never lost and never twice. Root event
-    files of any other name (an older trainer's, one per launch) are then
-    removed: their points are in the parts.
+    of a fixed name, `ROOT_PREFIX + part`: the writer writes into a staging
+    directory outside the root (TensorBoard would read one inside it), of a
+    name fixed by the root and the part so that a launch removes what a
+    killed one left there, and when the block ends without an error its
+    events replace that file atomically. A kill at any instant leaves the
+    part as the last launch to finish it wrote it, never lost and never
+    twice. Root event files of any other name (an older trainer's, one per
+    launch) are then removed, their points being in the parts, unless the
+    root is a run's directory too (a one-variant Inception run's).
 
     Args:
         directory: the model_dir root.
@@ -77,7 +83,8 @@ def root_events(directory, part):
         The `tf.summary` writer of the part.
     """
     tf.io.gfile.makedirs(directory)
-    staging = atomic_files.temporary_path(os.path.join(directory, part))
+    staging = _staging_dir(directory, part)
+    shutil.rmtree(staging, ignore_errors=True)  # A killed launch's.
     writer = tf.summary.create_file_writer(staging)
     try:
         yield writer
@@ -85,13 +92,21 @@ def root_events(directory, part):
         writer.close()
         records = [r for path in event_files.paths(staging) for r in event_files.read_records(path)]
         event_files.write_records(os.path.join(directory, ROOT_PREFIX + part), records)
-        for path in event_files.paths(directory):
-            if not os.path.basename(path).startswith(ROOT_PREFIX):
-                tf.io.gfile.remove(path)
+        if not tf.io.gfile.exists(os.path.join(directory, "history.json")):
+            for path in event_files.paths(directory):
+                if not os.path.basename(path).startswith(ROOT_PREFIX):
+                    tf.io.gfile.remove(path)
     finally:
         writer.close()
-        if tf.io.gfile.exists(staging):
-            tf.io.gfile.rmtree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_dir(directory, part):
+    """Where `root_events` stages the root `directory`'s `part`: local, fixed per root and part."""
+    local = model_dirs.local_path(directory)
+    name = directory if local is None else os.path.realpath(local)
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"keras_bn_root_{digest}_{part}")
 
 
 def make_monitor(model, probe_data, group_by=None):

@@ -7,6 +7,9 @@ a kill or a power loss leaves the old file or the new one, never a mix, and
 once `write_bytes` returns the new one survives a power loss. `commit` does
 the same for a temporary file written by another writer (a TFRecord writer).
 
+`sync` flushes files another library wrote (TensorFlow's event files and
+checkpoints, orbax's steps), whose writers only flush their own buffers.
+
 On an object store (a `gs://` path, written through `tf.io.gfile`) an object
 appears whole when its writer closes, so a reader never sees half of one; but
 a rename there is a copy and then a delete, and there is no fsync: a kill
@@ -76,6 +79,27 @@ def commit(tmp, path):
     _fsync(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
 
 
+def sync(paths):
+    """Flushes `paths` (files, or directories whose files are flushed) to the disk, then
+    their directories: written by another library's writer, which only flushes its buffers
+    (TensorFlow's file writers and checkpoints). A no-op on an object store."""
+    directories = set()
+    for path in paths:
+        local = model_dirs.local_path(path)
+        if local is None:
+            continue
+        if os.path.isdir(local):
+            for directory, _, files in os.walk(local):
+                for name in files:
+                    _fsync(os.path.join(directory, name), os.O_RDONLY)
+                directories.add(directory)
+        elif os.path.exists(local):
+            _fsync(local, os.O_RDONLY)
+        directories.add(os.path.dirname(local) or ".")
+    for directory in sorted(directories, key=len, reverse=True):
+        _fsync(directory, os.O_RDONLY | os.O_DIRECTORY)
+
+
 def _fsync(path, flags):
     fd = os.open(path, flags)
     try:
@@ -88,7 +112,8 @@ def remove_leftovers(root):
     """Removes the temporary files and directories killed writes left under `root`.
 
     Returns their paths. Call it only while no other process writes under
-    `root` (the chief, holding the --model_dir lock).
+    `root` (the chief, holding the --model_dir lock); another --model_dir
+    nested inside (its own lock file there) is left alone.
     """
     local = model_dirs.local_path(root)
     if local is None:
@@ -108,6 +133,10 @@ def remove_leftovers(root):
         return found
     found = []
     for directory, subdirs, files in os.walk(local):
+        # Another --model_dir nested inside, with its own lock: its writers are not ours.
+        subdirs[:] = [
+            n for n in subdirs if not os.path.exists(os.path.join(directory, n, model_dirs.LOCK))
+        ]
         for name in [n for n in subdirs if n.startswith(TEMP_PREFIX)]:
             subdirs.remove(name)
             found.append(os.path.join(directory, name))

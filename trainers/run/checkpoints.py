@@ -4,15 +4,18 @@
 multi-worker save recipe included) and keeps TensorFlow's `checkpoint` state
 file itself, `OrbaxCheckpointer` with orbax's `CheckpointManager` on JAX.
 Orbax does not save TensorFlow's distributed variables, so each engine keeps
-its own library's format; both remove old checkpoints themselves, each
-renamed away first, and both resume through `restore_newest_readable`, the
-one loop that passes over damaged checkpoints and in which every worker of
-a job agrees on the step it resumes at. The fault points of a save
+its own library's format; both flush a new checkpoint to the disk
+(`atomic_files.sync`) before they remove old ones themselves, each renamed
+away first on a local disk, and both resume through
+`restore_newest_readable`, the one loop that passes over damaged checkpoints
+(and stops at a passing read error) and in which every worker of a job
+agrees on the step it resumes at. The fault points of a save
 (`trainers.run.fault_points`): "checkpoint write" before it is written,
 "checkpoint commit" once it is whole, "checkpoint delete" before each
 removal of an old one.
 """
 
+import errno
 import hashlib
 import os
 import shutil
@@ -49,18 +52,50 @@ class OneProcess:
         return value
 
 
-def restore_newest_readable(candidates, read, where, job=None):
+# What a reader raises for a passing failure (a remote store's hiccup, memory, a permission),
+# not for damage: the restore stops rather than pass over a good checkpoint.
+_PASSING_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOMEM}
+)
+_PASSING_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
+
+
+def passing(error):
+    """Whether `error` (or one in its chain) is a passing failure to read, not damage."""
+    passing_types = (
+        tf.errors.UnavailableError,
+        tf.errors.DeadlineExceededError,
+        tf.errors.ResourceExhaustedError,
+        tf.errors.PermissionDeniedError,
+        tf.errors.UnauthenticatedError,
+        tf.errors.AbortedError,
+        tf.errors.CancelledError,
+        MemoryError,
+    )
+    seen = error
+    while seen is not None:
+        if isinstance(seen, passing_types) or getattr(seen, "errno", None) in _PASSING_ERRNOS:
+            return True
+        if str(seen).startswith(_PASSING_STATUSES):  # tensorstore's status, in its words.
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def restore_newest_readable(candidates, read, where, job=None, chief_error=None):
     """Restores the newest checkpoint every worker reads; returns its step (0 if there are none).
 
     The chief names the candidates, newest first, and every worker tries each
     in turn until all of them read the same one: so every worker of a job
-    resumes at one step, and says so in one log line. An unreadable
-    checkpoint (damaged, missing files or, on TensorFlow, another model's
-    objects) is logged in one line and the one before it tried. Damaged files
-    raise whatever their reader hits first (a TensorFlow `OpError`,
-    tensorstore's `ValueError`, a JSON error, an `OSError`, an `IndexError`
-    for "read less bytes than requested"), so any exception but an
-    `errors.InputError` marks a checkpoint unreadable.
+    resumes at one step, and says so in one log line. A damaged checkpoint
+    (missing or cut files, garbage, on TensorFlow another model's objects) is
+    logged in one line and the one before it tried; damaged files raise
+    whatever their reader hits first (a TensorFlow `OpError`, tensorstore's
+    `ValueError`, a JSON error, an `OSError`, an `IndexError` for "read less
+    bytes than requested"). A passing failure (`passing`: a remote store
+    unavailable, memory, permissions) stops every worker instead, in one
+    line: a relaunch reads the checkpoint again, and none is passed over, so
+    none is removed.
 
     Args:
         candidates: the chief's `[(step, path)]`, newest first (the other
@@ -68,19 +103,25 @@ def restore_newest_readable(candidates, read, where, job=None):
         read: `read(step)` restores that checkpoint in this worker.
         where: the checkpoints' directory, named in the error.
         job: the run's processes (`OneProcess` by default).
+        chief_error: an `errors.InputError` the chief met before (preparing
+            the directory), which every worker then stops on.
 
     Raises:
-        errors.InputError: if checkpoints exist and none is readable (or
-            `read` raises one).
+        errors.InputError: if checkpoints exist and none is readable, or a
+            read fails in passing, on any worker (or `read` raises one).
     """
     job = job or OneProcess
     paths = dict(candidates)
     steps = sorted(paths, reverse=True) if job.is_chief else []
     unreadable = []
-    while True:
-        step = job.chief_value(steps.pop(0) if steps else 0)
-        if step == 0:
-            break
+    first = -1 if chief_error is not None else (steps.pop(0) if steps else 0)
+    step = job.chief_value(first)
+    while step != 0:
+        if step < 0:  # The chief stopped: so does every worker.
+            raise chief_error or errors.InputError(
+                f"The chief could not prepare {where}, and this worker stops with it: the "
+                "chief's line says why. Relaunch every worker once it is mended."
+            )
         path = paths.get(step, f"step {step}")
         error = None
         try:
@@ -89,6 +130,13 @@ def restore_newest_readable(candidates, read, where, job=None):
             raise
         except Exception as caught:
             error = caught
+        if job.any_worker(error is not None and passing(error)):
+            what = _one_line(error) if error is not None else "it failed on another worker"
+            raise errors.InputError(
+                f"Checkpoint {path} could not be read just now ({what}), which is no sign of "
+                "damage: relaunch the same command to read it again."
+            )
+        if error is not None:
             logging.warning(
                 "Checkpoint %s is unreadable, trying an older one: %s", path, _one_line(error)
             )
@@ -101,6 +149,7 @@ def restore_newest_readable(candidates, read, where, job=None):
                 "Checkpoint %s is unreadable on another worker, trying an older one", path
             )
         unreadable.append((path, error))
+        step = job.chief_value(steps.pop(0) if steps else 0)
     if unreadable:
         newest = unreadable[0][1]
         raise errors.InputError(
@@ -137,10 +186,20 @@ def checkpoint_prefixes(checkpoint_dir):
 
 
 def _readable(prefix):
-    """Whether TensorFlow reads the index of the checkpoint at `prefix`."""
+    """Whether TensorFlow reads the index of the checkpoint at `prefix`.
+
+    Raises:
+        errors.InputError: when the read fails in passing (`passing`): no
+            checkpoint is removed for that.
+    """
     try:
         tf.train.load_checkpoint(prefix)
-    except (tf.errors.OpError, ValueError):
+    except (tf.errors.OpError, ValueError) as error:
+        if passing(error):
+            raise errors.InputError(
+                f"Checkpoint {prefix} could not be read just now ({_one_line(error)}), which is "
+                "no sign of damage: relaunch the same command to read it again."
+            ) from None
         return False
     return True
 
@@ -148,10 +207,13 @@ def _readable(prefix):
 def worker_scratch_dir(run_dir, worker):
     """The scratch directory of non-chief `worker` (a name) of the run in `run_dir`.
 
-    Outside `run_dir` and the same for every launch of that worker and run,
-    so a launch removes what a killed one left there.
+    Outside `run_dir` and the same for every launch of that worker and run
+    (by the run directory's real path), so a launch removes what a killed
+    one left there.
     """
-    digest = hashlib.sha256(run_dir.encode()).hexdigest()[:16]
+    local = model_dirs.local_path(run_dir)
+    name = run_dir if local is None else os.path.realpath(local)
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"keras_bn_worker_{worker}_{digest}")
 
 
@@ -195,7 +257,7 @@ class TFCheckpointer:
 
     def __init__(self, run_dir, max_to_keep, step, model, optimizer, job=None, worker="chief"):
         self._step = step
-        self._job = job or OneProcess
+        self.job = job or OneProcess
         self._max_to_keep = max_to_keep
         # Keras' seed generators (dropout's random state) are model variables
         # but not weights, which is all a Checkpoint of the model tracks: without
@@ -210,8 +272,12 @@ class TFCheckpointer:
         self._checkpoint.save_counter  # noqa: B018
         self._chief_dir = os.path.join(run_dir, "checkpoints")
         self._scratch = None
-        if self._job.is_chief:
-            self._repair_chief_dir()
+        self._repair_error = None  # Told every worker at the restore, their first collective.
+        if self.job.is_chief:
+            try:
+                self._repair_chief_dir()
+            except errors.InputError as error:
+                self._repair_error = error
         else:
             self._scratch = worker_scratch_dir(run_dir, worker)
             shutil.rmtree(self._scratch, ignore_errors=True)  # A killed launch's.
@@ -267,13 +333,15 @@ class TFCheckpointer:
             self._checkpoint.restore(prefix).assert_existing_objects_matched()
 
         candidates = []
-        if self._job.is_chief:
+        if self.job.is_chief:
             candidates = [
                 (s, p)
                 for s, p in checkpoint_prefixes(self._chief_dir)
                 if newest is None or s <= newest
             ]
-        return restore_newest_readable(candidates, read, self._chief_dir, self._job)
+        return restore_newest_readable(
+            candidates, read, self._chief_dir, self.job, chief_error=self._repair_error
+        )
 
     def save(self, step):
         """Checkpoints at `step` (every worker, each into its own directory; see the class)."""
@@ -287,6 +355,8 @@ class TFCheckpointer:
         if self._scratch is not None:
             _remove_checkpoint(prefix)
             return
+        # On the disk before it is listed and older ones go: TensorFlow only flushes.
+        atomic_files.sync(tf.io.gfile.glob(prefix + ".*"))
         others = checkpoint_prefixes(directory)
         older = [p for s, p in others if s < step]
         kept = older[: self._max_to_keep - 1]
@@ -381,7 +451,7 @@ class OrbaxCheckpointer:
         local = model_dirs.local_path(run_dir)
         root = run_dir if local is None else os.path.abspath(local)
         self._dir = os.path.join(root, "checkpoints")
-        self._job = job or OneProcess
+        self.job = job or OneProcess
         self._max_to_keep = max_to_keep
         self._variables = {"model": model.variables, "optimizer": optimizer.variables}
         errors.quiet_disk_full_in_threads()
@@ -428,7 +498,7 @@ class OrbaxCheckpointer:
             for step in reversed(self.steps())
             if newest is None or step <= newest
         ]
-        return restore_newest_readable(candidates, read, self._dir, self._job)
+        return restore_newest_readable(candidates, read, self._dir, self.job)
 
     def _read(self, step):
         """Checkpoint `step`'s values, laid out as the variables are.
@@ -452,7 +522,14 @@ class OrbaxCheckpointer:
             ]
             for owner, variables in self._variables.items()
         }
-        return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        # The step's one item, read by its handler: the manager's restore ends in a
+        # barrier, which a process whose own shards fail to read would skip, and the
+        # processes' next collectives would then pair up wrongly. They agree instead
+        # (`restore_newest_readable`).
+        from etils import epath
+
+        item = epath.Path(self._path(step)) / "default"
+        return ocp.StandardCheckpointHandler().restore(item, args=ocp.args.StandardRestore(target))
 
     def _check_shapes(self, step, saved):
         """Raises `errors.InputError` unless `saved` (metadata) has the variables' shapes."""
@@ -492,16 +569,18 @@ class OrbaxCheckpointer:
             self._manager.save(step, args=ocp.args.StandardSave(values), force=True)
             self._manager.wait_until_finished()
         fault_points.reach("checkpoint commit")
+        if self.job.is_chief:  # On the disk before older ones go (orbax's own flushing aside).
+            atomic_files.sync([self._path(step)])
         steps = self.steps()
         older = [s for s in steps if s < step][::-1]
         dropped = older[self._max_to_keep - 1 :] + [s for s in steps if s > step]
         if not dropped:
             return
-        if self._job.is_chief:
+        if self.job.is_chief:
             for old in dropped:
                 fault_points.reach("checkpoint delete")
                 _remove_directory(self._path(old))
-        self._job.any_worker(False)  # Every process waits for the removals, then lists again.
+        self.job.any_worker(False)  # Every process waits for the removals, then lists again.
         self._manager.reload()
 
     def close(self):

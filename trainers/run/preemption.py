@@ -28,7 +28,6 @@ arrive while a compiled call runs, so two Ctrl-Cs within one call ask once.
 import contextlib
 import os
 import signal
-import sys
 import threading
 
 # The requests in force: a trainer's from its start (`defer_from_start`), or the outermost
@@ -58,8 +57,8 @@ class StopRequests:
         if self.signal is not None and signum == signal.SIGINT:
             if self.unwinds:
                 raise KeyboardInterrupt  # A Ctrl-C after a stop was asked: stop now.
-            print("interrupted while starting; relaunch the same command", file=sys.stderr)
-            sys.stderr.flush()
+            # Not `print`: the handler may interrupt a write to standard error.
+            os.write(2, b"interrupted while starting; relaunch the same command\n")
             os._exit(130)
         self.signal = self.signal or signal.Signals(signum)
 

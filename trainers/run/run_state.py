@@ -30,6 +30,7 @@ from absl import logging
 import tensorflow as tf
 
 from trainers.reporting import tensorboard_writers
+from trainers.run import atomic_files
 from trainers.run import errors
 from trainers.run import event_files
 from trainers.run import fault_points
@@ -92,13 +93,18 @@ class RunState:
         self._checkpointer = checkpointer
         self._history_path = os.path.join(run_dir, "history.json")
         identity = json.loads(json.dumps(identity))  # As the history file holds it.
-        recorded = self._read_history()
-        changes = {}
-        if recorded and recorded.get("steps"):
-            # Before the restore: a setting that changes the variables would
-            # make every checkpoint look unreadable.
-            allowed = set(changeable) if allow_config_change else set()
-            changes = self._identity_changes(recorded, identity, allowed)
+        job = checkpointer.job
+        recorded, changes, failure = None, {}, None
+        try:
+            recorded = self._read_history()
+            if recorded and recorded.get("steps"):
+                # Before the restore: a setting that changes the variables would
+                # make every checkpoint look unreadable.
+                allowed = set(changeable) if allow_config_change else set()
+                changes = self._identity_changes(recorded, identity, allowed)
+        except errors.InputError as error:  # A worker's own data or files may differ.
+            failure = error
+        _agree(job, failure)
         # A checkpoint past the history's last commit is of steps an earlier
         # relaunch went back over (its newest checkpoint was unreadable then).
         self.start = checkpointer.restore(newest=recorded["steps"] if recorded else None)
@@ -112,21 +118,25 @@ class RunState:
         )
         self.finished = self.history["finished"] = bool(ended)
         self.fresh = self.history["steps"] == 0  # Nothing of it is committed.
-        if not is_chief:
-            self.writer = tf.summary.create_noop_writer()
-            return
+        self.writer = tf.summary.create_noop_writer()
+        if is_chief:
+            try:
+                self._cut_back(config_values)
+            except errors.InputError as error:  # A damaged event file: every worker stops.
+                failure = error
+        _agree(job, failure)
+
+    def _cut_back(self, config_values):
+        """The chief's files cut back to the restored step; the run's writer (see the class)."""
         fault_points.reach("run state")
         if not self.finished:
             if self.start:  # The file first: a kill then leaves no "finished" without its end.
                 json_files.write_json(self._history_path, self.history)
-            event_files.remove_end(run_dir)
-        event_files.keep_through(run_dir, self.history["steps"])
+            event_files.remove_end(self._run_dir)
+        event_files.keep_through(self._run_dir, self.history["steps"])
         # A finished run logs nothing more: no event file for this launch.
-        self.writer = (
-            tf.summary.create_noop_writer()
-            if self.finished
-            else tf.summary.create_file_writer(run_dir)
-        )
+        if not self.finished:
+            self.writer = tf.summary.create_file_writer(self._run_dir)
         if self.fresh:
             tensorboard_writers.write_config(self.writer, config_values)
 
@@ -239,7 +249,13 @@ class RunState:
         )
 
     def save(self, step):
-        """Checkpoints at `step` (every worker): step 3 of the commit order, after the flush."""
+        """Checkpoints at `step` (every worker): step 3 of the commit order, after the flush.
+
+        The run's event files are flushed to the disk first (the chief's), so a
+        commit that survives a power loss has its events.
+        """
+        if self.is_chief:
+            atomic_files.sync(event_files.paths(self._run_dir))
         self._checkpointer.save(step)
         self.saved_step = step
 
@@ -250,9 +266,10 @@ class RunState:
         return tf.summary.create_file_writer(self._run_dir, filename_suffix=event_files.END_SUFFIX)
 
     def finish(self):
-        """Commits the run's end, once its end-of-run summaries are flushed."""
+        """Commits the run's end, once its end-of-run summaries are flushed (to the disk too)."""
         self.finished = self.history["finished"] = True
         if self.is_chief:
+            atomic_files.sync(event_files.paths(self._run_dir))
             json_files.write_json(self._history_path, self.history)
 
     def __enter__(self):
@@ -262,9 +279,22 @@ class RunState:
         self.close()
 
     def close(self):
-        """Flushes the writer and closes the checkpointer."""
-        self.writer.flush()
+        """Closes the writer and the checkpointer."""
+        self.writer.close()
         self._checkpointer.close()
+
+
+def _agree(job, failure):
+    """Raises `failure` (an `errors.InputError` or None) on every worker of `job` if any has one.
+
+    Every worker calls it at the same point: one that raised alone would
+    leave the others waiting in their next collective.
+    """
+    if job.any_worker(failure is not None):
+        raise failure or errors.InputError(
+            "Another worker of this job stopped at start-up, and so does this one: that "
+            "worker's line says why. Relaunch every worker once it is mended."
+        )
 
 
 def _ended_diverged(history, identity):

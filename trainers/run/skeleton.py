@@ -219,7 +219,7 @@ def train_and_evaluate(task, loop, runner):
             fault_points.reach("run end")
             end_writer = run.end_writer()
             task.write_end(end_writer, history)
-            end_writer.flush()
+            end_writer.close()
             run.finish()
         return history
 
