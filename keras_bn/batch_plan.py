@@ -376,9 +376,9 @@ def _groups_of_examples(size, per_replica, replicas):
     of v / b replicas. Every replica must hold b examples (as `fit` gives
     them); they then agree on the plan.
     """
+    if replicas == 1:
+        return None, size  # Ghost batches of one replica's batch, checked as unsynchronised.
     if per_replica is None:
-        if replicas == 1:
-            return None, size  # Ghost batches, checked at run time.
         raise ValueError(
             f"synchronized=True with virtual_batch_size={size} needs each replica's batch size "
             "when the step is traced; here it is known only at run time (batch the data with "
