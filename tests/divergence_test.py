@@ -240,14 +240,22 @@ class DataIdentityTest(absltest.TestCase):
         self.assertRegex(
             message,
             r"holds a run at step 4 with other settings \(data\.splits\.test\.bytes=\d+ → \d+, "
-            r"data\.splits\.train\.bytes=\d+ → \d+\): .*--allow_config_change",
+            r"data\.splits\.test\.digest='[0-9a-f]{64}' → '[0-9a-f]{64}', "
+            r"data\.splits\.train\.bytes=\d+ → \d+, "
+            r"data\.splits\.train\.digest='[0-9a-f]{64}' → '[0-9a-f]{64}'\): "
+            r".*--allow_config_change",
         )
         self.assertIsNone(self._run(model_dir, other, train_steps=8, allow_config_change=True))
         history = _history(model_dir)
         self.assertEqual(history["steps"], 8)
         self.assertEqual(
             sorted(history["config_changes"][0]["changed"]),
-            ["data.splits.test.bytes", "data.splits.train.bytes"],
+            [
+                "data.splits.test.bytes",
+                "data.splits.test.digest",
+                "data.splits.train.bytes",
+                "data.splits.train.digest",
+            ],
         )
 
 

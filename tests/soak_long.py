@@ -12,6 +12,7 @@ named). At `--scale=1` each engine takes over 100 faults.
 
 import argparse
 import collections
+import shutil
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ def main(argv=None):
                     f"work directory kept: {work_dir}): {failure}"
                 )
                 return 1
+            shutil.rmtree(work_dir, ignore_errors=True)
             print(f"  ({trainer}, {workers} worker(s): {time.monotonic() - began:.0f} s)")
         totals[engine] = struck
     for engine, struck in totals.items():
