@@ -23,16 +23,17 @@ elif keras.backend.backend() == "jax":
 
 
 # The tiers' order in a run that selects several: longest tests first.
-_TIER_ORDER = {"soak": 0, "slow": 0, "integration": 1}
+_TIER_ORDER = {"soak": 0, "slow": 1, "integration": 2}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Checks each test's tier and puts the slow tier first, then the integration tier.
+    """Checks each test's tier and puts the soak tier first, then the slow and integration tiers.
 
     A test marked with more than one of `slow`, `integration` and `soak` is an
     error: a run of one tier alone (CONTRIBUTING.md) must not repeat it. A run of several tiers
-    (CI's JAX trainer suite, on two pytest-xdist workers with `--dist
-    loadgroup --no-loadscope-reorder`) hands out the longest tests first, so
+    (CI's slow and soak run and its JAX trainer suite, on two pytest-xdist
+    workers with `--dist loadgroup --no-loadscope-reorder`) hands out the
+    longest tests first, so
     that no minutes-long test starts while the other worker has nothing left:
     within a tier, a class that one worker runs whole (marked `xdist_group`,
     as its setUpClass trains once) first. The order is otherwise the
@@ -47,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 
 def _start_rank(item):
     marks = _marks(item)
-    tier = min((_TIER_ORDER.get(mark, 2) for mark in marks), default=2)
+    tier = min((_TIER_ORDER.get(mark, 3) for mark in marks), default=3)
     return tier, "xdist_group" not in marks
 
 

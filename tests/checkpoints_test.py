@@ -5,17 +5,22 @@ names them); here a job of two workers is stood in for by `_PairedJob`,
 which plays the other worker's answers, so the protocol's cases run in one
 process. The TensorFlow checkpointer's own files are checked on a small
 model: a non-chief worker's scratch directory (one a killed launch left
-included), the removal of old and stale checkpoints.
+included), the removal of old and stale checkpoints. On JAX, a damaged orbax
+checkpoint is passed over without the tracebacks of its abandoned reads.
 """
 
 import os
+import subprocess
+import sys
 import tempfile
 from unittest import mock
 
 from absl.testing import absltest
 import keras
+import pytest
 import tensorflow as tf
 
+from tests import multi_worker
 from trainers.run import checkpoints
 from trainers.run import errors
 
@@ -180,6 +185,40 @@ class TFCheckpointerFilesTest(absltest.TestCase):
         self.assertEqual(
             [os.path.basename(p) for p in state.all_model_checkpoint_paths], ["ckpt-8"]
         )
+
+
+@pytest.mark.integration
+class AbandonedReadsTest(absltest.TestCase):
+    """Orbax's reads abandoned at a damaged checkpoint end in debug lines, not tracebacks.
+
+    Found by the long soak: a JAX run resumed from the checkpoint before a cut
+    one, as it should, but printed a traceback per abandoned read. Each run of
+    `tests.damaged_orbax_restore` passes over the cut checkpoint six times.
+    """
+
+    def _restore_past_a_cut_checkpoint(self, *args):
+        env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.damaged_orbax_restore", *args],
+            cwd=multi_worker.ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertEqual(result.stdout.split("\n").count("resumed at step 1"), 6, result.stdout)
+        return result.stderr
+
+    def test_a_cut_checkpoint_is_passed_over_in_one_line(self):
+        stderr = self._restore_past_a_cut_checkpoint()
+        self.assertNotIn("Traceback", stderr)
+        self.assertNotIn("Exception ignored", stderr)
+        self.assertEqual(stderr.count("/checkpoints/2 is unreadable, trying an older one"), 6)
+
+    def test_without_the_quieting_hook_the_abandoned_reads_print_tracebacks(self):
+        # What the test above would see without `errors.quiet_abandoned_reads`.
+        self.assertIn("Exception ignored", self._restore_past_a_cut_checkpoint("--unquieted"))
 
 
 if __name__ == "__main__":

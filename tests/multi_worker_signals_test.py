@@ -26,6 +26,8 @@ _TIMEOUT_S = 300
 
 
 @pytest.mark.slow
+# One worker runs the tests that start several trainer processes (soak_test.py).
+@pytest.mark.xdist_group("several_processes")
 class MultiWorkerSignalsTest(parameterized.TestCase):
     @parameterized.parameters("tensorflow", "jax")
     def test_a_sigterm_at_start_up_stops_every_worker_at_step_0(self, engine):

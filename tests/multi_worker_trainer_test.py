@@ -76,6 +76,8 @@ def _event_files(model_dir, end=False):
 
 
 @pytest.mark.slow
+# One worker runs the tests that start several trainer processes (soak_test.py).
+@pytest.mark.xdist_group("several_processes")
 class MultiWorkerTrainerTest(absltest.TestCase):
     def test_chief_alone_writes_and_relaunch_resumes(self):
         model_dir = tempfile.mkdtemp()

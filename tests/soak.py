@@ -825,8 +825,11 @@ class Soak:
         """Relaunches the finished run, killed at one of its writes or at a random instant."""
         worker = self._worker()
         part = {"category": faults_lib.FINISHED, "worker": worker}
-        if self.rng.random() < 0.7:
-            point, count = self._point(worker)
+        # A worker that writes nothing in a finished run's relaunch (not the
+        # chief) reaches no point: it is killed at a random instant.
+        at_point = self._point(worker) if self.rng.random() < 0.7 else None
+        if at_point:
+            point, count = at_point
             part["kind"] = "SIGKILL"
             part["hook"] = {"point": point, "count": count, "action": "SIGKILL"}
         else:

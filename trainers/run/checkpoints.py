@@ -455,6 +455,7 @@ class OrbaxCheckpointer:
         self._max_to_keep = max_to_keep
         self._variables = {"model": model.variables, "optimizer": optimizer.variables}
         errors.quiet_disk_full_in_threads()
+        errors.quiet_abandoned_reads()  # A damaged checkpoint is passed over in one line.
         self._manager = ocp.CheckpointManager(
             self._dir,
             # Registered up front: a fresh manager reads no step's metadata without it.

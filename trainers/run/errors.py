@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 
 from absl import logging
 
@@ -161,6 +162,65 @@ def quiet_disk_full_in_threads():
         handler.addFilter(quiet)
     std_logging.getLogger("asyncio").addFilter(quiet)
     threading.excepthook = _QuietExcepthook(threading.excepthook)
+
+
+def quiet_abandoned_reads():
+    """Logs, instead of printing, what orbax's abandoned reads raise as they end (once per process).
+
+    Orbax reads a checkpoint's arrays concurrently. When one read fails (a
+    damaged checkpoint, which `checkpoints.restore_newest_readable` passes
+    over in one line), the others are abandoned: each coroutine raises again
+    when it is closed, and tensorstore's callbacks find orbax's event loop
+    closed, seconds later; asyncio logs a task of them whose exception no
+    one retrieved. Python prints each coroutine's and callback's as an
+    unraisable exception, with a traceback, and asyncio's record has one too.
+    Those are logged at debug level instead; any other unraisable exception
+    goes to the hook there was, and asyncio's other records pass.
+    """
+    if not isinstance(sys.unraisablehook, _QuietUnraisableHook):
+        sys.unraisablehook = _QuietUnraisableHook(sys.unraisablehook)
+        std_logging.getLogger("asyncio").addFilter(_AbandonedReadTasks())
+
+
+class _QuietUnraisableHook:
+    """A `sys.unraisablehook` logging orbax's abandoned reads, passing on the rest."""
+
+    def __init__(self, hook):
+        self._hook = hook
+
+    def __call__(self, unraisable):
+        code = getattr(unraisable.object, "cr_code", None)  # A coroutine's.
+        from_orbax = (
+            code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        ) or _raised_in_orbax(unraisable.exc_value)
+        loop_closed = isinstance(unraisable.exc_value, RuntimeError) and (
+            "Event loop is closed" in str(unraisable.exc_value)
+        )
+        if from_orbax or loop_closed:
+            logging.debug("An abandoned checkpoint read ended: %.200s", unraisable.exc_value)
+        else:
+            self._hook(unraisable)
+
+
+class _AbandonedReadTasks(std_logging.Filter):
+    """Turns asyncio's "Task exception was never retrieved" of an orbax read into a debug line."""
+
+    def filter(self, record):
+        error = record.exc_info[1] if record.exc_info else None
+        if "exception was never retrieved" in record.getMessage() and _raised_in_orbax(error):
+            logging.debug("An abandoned checkpoint read ended: %.200s", error)
+            return False
+        return True
+
+
+def _raised_in_orbax(error):
+    """Whether `error`, or an error it was raised from, passed through orbax's code."""
+    while error is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        if any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class _QuietExcepthook:
