@@ -2,6 +2,7 @@ r"""The fault soak's long tier: several seeded soaks per engine, then the faults
 
     python -m tests.soak_long                      # both engines
     python -m tests.soak_long --engines=jax --scale=0.5
+    python -m tests.soak_long --engines=jax --soaks=mnist:2,inception:2
 
 For each engine it runs `tests.soak` on MNIST and Inception, with one worker
 and with two (the soaks of `SOAKS`, each with its own seed), one after
@@ -32,11 +33,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="tensorflow,jax")
     parser.add_argument("--scale", type=float, default=1.0, help="times each soak's faults")
+    parser.add_argument(
+        "--soaks",
+        default="",
+        help="only these of SOAKS, as TRAINER:WORKERS, comma-separated (e.g. inception:2)",
+    )
     args = parser.parse_args(argv)
+    chosen = {tuple(s.split(":")) for s in args.soaks.split(",") if s}
     totals = {}
     for engine in args.engines.split(","):
         struck = []
         for trainer, workers, faults, seed in SOAKS:
+            if chosen and (trainer, str(workers)) not in chosen:
+                continue
             faults = max(1, round(faults * args.scale))
             scenario = soak.scenario_for(trainer, engine, workers, faults)
             work_dir = tempfile.mkdtemp(prefix="keras_bn_soak_")

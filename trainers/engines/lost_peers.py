@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 
 from absl import logging
 
@@ -185,6 +186,50 @@ def _reporting_lost_processes(program, model_dir):
             restore_abort()
         if watcher is not None:
             watcher.close()
+
+
+# The abort handlers of a process leaving its job (`leave_job`), kept alive until it ends.
+_KEPT = []
+
+
+def leave_job(ending):
+    """Ends this process at once if `ending` takes it out of a multi-process JAX job early.
+
+    At exit, JAX's distributed client waits at a shutdown barrier for every
+    process of the job (5 minutes), then aborts with a dump (status 134). A
+    process that stops on its own, on a second Ctrl-C or an error only it
+    met, would wait there while its peers wait for it in their next
+    collective. So a process leaving with another status than 0 ends at
+    once, skipping exit handlers as `_end_process` does: its peers see it
+    gone and end in one line. A run that ends well, or a stop all processes
+    agreed on, leaves by the barrier with its peers (the caller's choice).
+    Where peers leave at once together, the slower one may see the
+    coordinator gone first: JAX's abort then ends it with status 1 too.
+    Outside a multi-process JAX job this does nothing.
+
+    Args:
+        ending: the exception ending the process: a `SystemExit` (its code a
+            status, or the line to print with status 1) or another (its
+            traceback printed, status 1).
+    """
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return
+    if isinstance(ending, SystemExit):
+        code = ending.code
+        if code is None or code == 0:
+            return
+        _KEPT.append(_exit_1_on_abort())  # Installed until the process ends.
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    else:
+        _KEPT.append(_exit_1_on_abort())
+        traceback.print_exception(ending)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_1_on_abort():

@@ -46,9 +46,17 @@ def run(program, trainer, argv, config_from_flags, train):
             except flags.ValidationError as error:  # A refused combination of flags.
                 raise errors.InputError(str(error)) from None
         # From the runner on, a lost peer too ends the run in one line.
-        with one_line_errors(program), config.reporting_lost_workers(program, config.model_dir):
-            model_dirs.check_model_dir(config.model_dir, trainer)
-            check_converged(train(config) or {})
+        try:
+            with one_line_errors(program), config.reporting_lost_workers(program, config.model_dir):
+                model_dirs.check_model_dir(config.model_dir, trainer)
+                check_converged(train(config) or {})
+        except BaseException as ending:
+            # A JAX process leaving its job on its own ends now; a stop every
+            # process agreed on (`preemption.Stopped`) leaves with the others.
+            cause = ending.__context__ if isinstance(ending, SystemExit) else ending
+            if not isinstance(cause, preemption.Stopped):
+                lost_peers.leave_job(ending)
+            raise
 
 
 def claim(config, trainer, loop, runner):
