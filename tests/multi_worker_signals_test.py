@@ -1,7 +1,8 @@
 """A SIGTERM that reaches one worker while a multi-worker job starts stops every worker.
 
 And a second Ctrl-C to one process of a JAX job ends it at once, its peer in
-one line (`trainers.engines.lost_peers.leave_job`).
+one line (`trainers.engines.lost_peers.leave_job`); a peer lost while a JAX
+job ends is one line too, not an abort at JAX's shutdown barrier.
 
 TensorFlow's multi-worker runtime and JAX's distributed client each install a
 SIGTERM handler of their own in C++ when they start, which only records the
@@ -101,6 +102,18 @@ class MultiWorkerSignalsTest(parameterized.TestCase):
         self.assertEqual(code_0, 130, output_0[-3000:])
         self.assertNotIn("Traceback", output_0)
         self.assertRegex(output_0, r"mnist_sigmoid: .*interrupted")
+        self.assertEqual(code_1, 1, output_1[-3000:])
+        self.assertNotIn("Traceback", output_1)
+        last = [line for line in output_1.splitlines() if line.strip()][-1]
+        self.assertRegex(last, r"^mnist_sigmoid: error: lost process 0 \(the coordinator")
+
+    def test_a_peer_lost_at_the_end_ends_the_other_jax_process_in_one_line(self):
+        # Found by the long soak: the survivor of a peer killed while the run ended
+        # aborted at JAX's shutdown barrier, at exit, with status 134 and a dump.
+        model_dir = os.path.join(tempfile.mkdtemp(), "run")
+        kill = {"point": "run end", "count": 1, "action": "SIGKILL"}
+        (code_0, output_0), (code_1, output_1) = _run_two_workers("jax", model_dir, [kill])
+        self.assertEqual(code_0, -9, output_0[-3000:])
         self.assertEqual(code_1, 1, output_1[-3000:])
         self.assertNotIn("Traceback", output_1)
         last = [line for line in output_1.splitlines() if line.strip()][-1]

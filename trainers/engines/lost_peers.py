@@ -169,11 +169,22 @@ def _last_checkpoint(model_dir):
 def _reporting_lost_processes(program, model_dir):
     import jax
 
+    from trainers.run import preemption
+
     job = _JaxJob.from_environment()
     watcher = _StderrWatcher.start(program, model_dir, job)
     restore_abort = _exit_1_on_abort() if watcher is not None else None
     try:
-        yield
+        try:
+            yield
+        except preemption.Stopped:  # A stop every process agreed on: they leave together.
+            jax.distributed.shutdown()
+            raise
+        # A run that ended leaves with its peers, here rather than at exit: a
+        # peer lost at JAX's shutdown barrier is then one line, not an abort
+        # (status 134) after the watcher has gone. A process leaving on its
+        # own ends at once instead (`leave_job`).
+        jax.distributed.shutdown()
     # JAX raises a failed collective as its runtime error, or (gloo's, from
     # `multihost_utils`) as a ValueError with the same words.
     except (jax.errors.JaxRuntimeError, ValueError) as error:
