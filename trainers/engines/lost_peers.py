@@ -226,17 +226,16 @@ def leave_job(ending):
     jax = sys.modules.get("jax")
     if jax is None or not jax.distributed.is_initialized():
         return
-    if isinstance(ending, SystemExit):
-        code = ending.code
-        if code is None or code == 0:
-            return
-        _KEPT.append(_exit_1_on_abort())  # Installed until the process ends.
-        if not isinstance(code, int):
-            print(code, file=sys.stderr)
-            code = 1
-    else:
-        _KEPT.append(_exit_1_on_abort())
+    if isinstance(ending, SystemExit) and ending.code in (None, 0):
+        return
+    _KEPT.append(_exit_1_on_abort())  # Installed until the process ends.
+    if not isinstance(ending, SystemExit):
         traceback.print_exception(ending)
+        code = 1
+    elif isinstance(ending.code, int):
+        code = ending.code
+    else:
+        print(ending.code, file=sys.stderr)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
