@@ -1,14 +1,12 @@
 """Restores a run whose newest orbax checkpoint is cut, several times; run under JAX.
 
-    KERAS_BACKEND=jax python -m tests.damaged_orbax_restore [--unquieted]
+    KERAS_BACKEND=jax python -m tests.damaged_orbax_restore
 
 Saves steps 1 and 2 of a small model with `OrbaxCheckpointer`, cuts the
 largest data file of step 2 to half, then restores `ROUNDS` times, each with a
 fresh model: each passes over step 2 (its reads of the other arrays
 abandoned) and prints the step it resumed at. Then collects the garbage for a
-second, when the abandoned reads end. With `--unquieted` the process's
-`sys.unraisablehook` is put back after each checkpointer is made, as it was
-before `errors.quiet_abandoned_reads` (`tests/checkpoints_test.py`).
+second, when the abandoned reads end (`tests/checkpoints_test.py`).
 """
 
 import gc
@@ -34,13 +32,8 @@ def _model_and_optimizer():
 
 
 def main(argv):
-    default_hook = sys.unraisablehook
-
     def checkpointer(run_dir):
-        made = checkpoints.OrbaxCheckpointer(run_dir, 5, *_model_and_optimizer())
-        if "--unquieted" in argv:
-            sys.unraisablehook = default_hook
-        return made
+        return checkpoints.OrbaxCheckpointer(run_dir, 5, *_model_and_optimizer())
 
     run_dir = tempfile.mkdtemp()
     saver = checkpointer(run_dir)
