@@ -1,12 +1,14 @@
-"""The Inception trainer across two MultiWorkerMirroredStrategy processes.
+"""The trainers across two MultiWorkerMirroredStrategy processes.
 
-Only the chief may write into --model_dir: one event file per launch, its
-history and summary, its checkpoints. The other worker checkpoints into its
-own temporary directory. A relaunch of both workers resumes at the chief's
-checkpointed step. The chief logs the BN monitor's health while the other
-worker trains on. A SIGTERM to one worker stops both at one step; when a
-worker is SIGKILLed mid-run, the chief ends within a minute in one line
-naming it and the relaunch that resumes, which does.
+Inception's: only the chief may write into --model_dir: one event file per
+launch, its history and summary, its checkpoints. The other worker
+checkpoints into its own temporary directory. A relaunch of both workers
+resumes at the chief's checkpointed step. The chief logs the BN monitor's
+health while the other worker trains on. MNIST's (its launches start in a
+third of Inception's time; the stops go through the same program): a
+SIGTERM to one worker stops both at one step; when a worker is SIGKILLed
+mid-run, the chief ends within a minute in one line naming it and the
+relaunch that resumes, which does.
 """
 
 import glob
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import data_dirs
 from tests import multi_worker
 from tests import tensorboard_events
 from trainers.inception import recipes as inception_recipes
@@ -30,7 +33,24 @@ from trainers.run import event_files
 
 _TIMEOUT_S = 300
 _MODULE = "trainers.inception_bn"
+_MNIST_MODULE = "trainers.mnist_sigmoid"
+_MNIST_STEPS, _MNIST_EVERY = 60, 4
 _LOSS_LIMIT_S = 60  # The survivor ends within this of a worker's loss.
+
+
+def _mnist_args(model_dir, train_steps):
+    return [
+        "--norm=batch_norm",
+        "--train_subset=600",
+        "--batch_size=20",
+        "--probe_size=50",
+        f"--eval_every={_MNIST_EVERY}",
+        f"--data_dir={data_dirs.SHARED_DATA}",
+        "--distribution_strategy=multi_worker_mirrored",
+        "--sync_batch_norm",
+        f"--train_steps={train_steps}",
+        f"--model_dir={model_dir}",
+    ]
 
 
 def _args(model_dir, train_steps):
@@ -126,15 +146,16 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         self.assertEqual([s for s, _ in tags["batch_norm/worst_train_inference_gap"]], [1, 2, 3, 4])
 
     def _stop_worker_1_after_a_checkpoint(self, model_dir, after, stop):
-        """Launches both workers, `stop`s worker 1 after a checkpoint past `after`; their ends.
+        """Launches MNIST's two workers, `stop`s worker 1 after a checkpoint past `after`.
 
         Returns `[(exit status, output)]` of both workers and the seconds from
-        the stop to the chief's end. 8 steps: the chief still trains then.
+        the stop to the chief's end. The chief still trains then: the run has
+        `_MNIST_STEPS` steps, a checkpoint every `_MNIST_EVERY`.
         """
-        args = _args(model_dir, train_steps=8)
+        args = _mnist_args(model_dir, _MNIST_STEPS)
         for _ in range(3):  # Launches retried while a worker loses its port.
-            with multi_worker.started_workers(_MODULE, [args, args]) as workers:
-                if not _await_checkpoint(model_dir, workers, after):
+            with multi_worker.started_workers(_MNIST_MODULE, [args, args]) as workers:
+                if not _await_checkpoint(os.path.join(model_dir, "batch_norm"), workers, after):
                     continue
                 stop(workers[1].process)
                 stopped = time.monotonic()
@@ -148,6 +169,8 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         self.fail("Every launch lost a port")
 
     def test_sigterm_to_one_worker_then_a_lost_worker_then_relaunch(self):
+        if not os.path.isdir(os.path.join(data_dirs.SHARED_DATA, "mnist")):
+            self.skipTest(f"real MNIST not at {data_dirs.SHARED_DATA}")
         model_dir = tempfile.mkdtemp()
 
         # A SIGTERM to one machine stops both workers at one step, checkpointed
@@ -162,7 +185,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
             steps.add(int(stopped[1]))
         self.assertLen(steps, 1)
         (step,) = steps
-        self.assertLess(step, 8)
+        self.assertLess(step, _MNIST_STEPS)
 
         # A worker SIGKILLed: the chief ends in one line naming it and the checkpoint.
         ends, seconds = self._stop_worker_1_after_a_checkpoint(model_dir, step, lambda p: p.kill())
@@ -173,20 +196,23 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         self.assertNotIn("Traceback", output)
         last_line = [line for line in output.splitlines() if line.strip()][-1]
         error = re.fullmatch(
-            r"inception_bn: error: lost worker 1 \(127\.0\.0\.1:\d+\) of this job; .*Relaunch "
+            r"mnist_sigmoid: error: lost worker 1 \(127\.0\.0\.1:\d+\) of this job; .*Relaunch "
             r"every worker with the same command: it resumes from the last checkpoint, step "
             r"(\d+) \(.*\)\.",
             last_line,
         )
         self.assertIsNotNone(error, last_line)
         step = int(error[1])
-        self.assertLess(step, 8)
+        self.assertLess(step, _MNIST_STEPS)
 
-        for code, output in _launch(model_dir, train_steps=8):
+        args = _mnist_args(model_dir, _MNIST_STEPS)
+        for code, output in multi_worker.run_workers(
+            _MNIST_MODULE, [args, args], timeout_s=_TIMEOUT_S
+        ):
             self.assertEqual(code, 0, output[-3000:])
             self.assertRegex(output, rf"at step {step}\b")  # Both from the chief's checkpoint.
-        with open(os.path.join(model_dir, "summary.json")) as f:
-            self.assertEqual(json.load(f)["steps"], 8)
+        with open(os.path.join(model_dir, "batch_norm", "history.json")) as f:
+            self.assertEqual(json.load(f)["steps"], _MNIST_STEPS)
 
 
 if __name__ == "__main__":

@@ -253,6 +253,13 @@ class Soak:
             f"{self.interval_s:.2f} s an interval)"
         )
 
+    def fault_points(self):
+        """Every write point the run reaches: its reference's, and a relaunch's event rewrite."""
+        points = {"event rewrite"}
+        for sequence in self.sequences.values():
+            points.update(sequence.expected(0, False))
+        return points
+
     # ---- the faulted run -------------------------------------------------------------------
 
     def _categories(self):
@@ -347,11 +354,15 @@ class Soak:
             candidates = [i for i in range(len(points)) if choices is None or points[i] in choices]
         if not candidates:
             return None
-        # Half the time, the first point not struck yet in this soak within the horizon
-        # (every write point in turn; the end's once the run is near it).
+        # A point not struck yet in this soak within the horizon: a seldom one whenever
+        # the launch reaches it, else the first half the time (every write point in turn;
+        # the end's once the run is near it).
         fresh = [i for i in range(start, horizon) if points[i] not in self.points_struck]
         fresh = [i for i in fresh if choices is None or points[i] in choices]
-        if fresh and self.rng.random() < 0.5:
+        seldom = [i for i in fresh if points[i] in faults_lib.SELDOM_POINTS]
+        if seldom:
+            index = seldom[0]
+        elif fresh and self.rng.random() < 0.5:
             index = fresh[0]
         else:
             index = self.rng.choice(candidates)

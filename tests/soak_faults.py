@@ -59,6 +59,10 @@ END_WRITES = ("run end",)
 STORAGE_POINTS = ("evaluation", "checkpoint write", "run end", "rename history.json")
 # Phases a SIGTERM or SIGINT is delivered in through the hook (start-up, evaluation, the end).
 SIGNAL_POINTS = ("rename trainer.json", "run state", "evaluation", "run end")
+# Points a launch seldom reaches: a relaunch rewrites event files only after a tear or a
+# kill left events past the commit, and a run ends once. A fault drawn at a point takes
+# one of these first while the soak has not struck it (a long soak strikes every point).
+SELDOM_POINTS = ("event rewrite",) + END_WRITES
 
 
 @dataclasses.dataclass

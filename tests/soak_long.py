@@ -8,7 +8,8 @@ For each engine it runs `tests.soak` on MNIST and Inception, with one worker
 and with two (the soaks of `SOAKS`, each with its own seed), one after
 another, then prints every engine's faults by kind and the fault points
 struck. It stops at the first soak that fails (its work directory kept and
-named). At `--scale=1` each engine takes over 100 faults.
+named), and fails when an engine's soaks left a fault point of theirs
+unstruck. At `--scale=1` each engine takes over 100 faults.
 """
 
 import argparse
@@ -41,8 +42,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     chosen = {tuple(s.split(":")) for s in args.soaks.split(",") if s}
     totals = {}
+    unstruck = {}
     for engine in args.engines.split(","):
         struck = []
+        points = set()
         for trainer, workers, faults, seed in SOAKS:
             if chosen and (trainer, str(workers)) not in chosen:
                 continue
@@ -50,8 +53,9 @@ def main(argv=None):
             scenario = soak.scenario_for(trainer, engine, workers, faults)
             work_dir = tempfile.mkdtemp(prefix="keras_bn_soak_")
             began = time.monotonic()
+            run = soak.Soak(scenario, faults, seed, work_dir)
             try:
-                struck += soak.Soak(scenario, faults, seed, work_dir).run()
+                struck += run.run()
             except soak.SoakFailure as failure:
                 print(
                     f"soak FAILED ({engine}, {trainer}, {workers} workers, seed {seed}; "
@@ -59,8 +63,10 @@ def main(argv=None):
                 )
                 return 1
             shutil.rmtree(work_dir, ignore_errors=True)
+            points |= run.fault_points()
             print(f"  ({trainer}, {workers} worker(s): {time.monotonic() - began:.0f} s)")
         totals[engine] = struck
+        unstruck[engine] = sorted(points - {f.point for f in struck})
     for engine, struck in totals.items():
         print(f"\n{engine}: {len(struck)} faults")
         for kind, count in sorted(
@@ -72,7 +78,9 @@ def main(argv=None):
             f"  fault points struck ({len(points)}): "
             + ", ".join(f"{p} ×{n}" for p, n in sorted(points.items()))
         )
-    return 0
+        if unstruck[engine]:
+            print(f"  fault points NOT struck: {', '.join(unstruck[engine])}")
+    return 1 if any(unstruck.values()) else 0
 
 
 if __name__ == "__main__":
