@@ -343,7 +343,7 @@ class Soak:
         blocks_left = sequence.blocks[committed // self.scenario.eval_every :]
         first_block = len(points) - sum(len(b) for b in blocks_left) - len(sequence.end)
         horizon = first_block + sum(len(b) for b in blocks_left[:within_blocks])
-        if not blocks_left:
+        if len(blocks_left) <= within_blocks:  # Near the end: the end's points too.
             horizon = len(points)
         if self.stalled >= 2:  # Two launches without progress: strike after a commit.
             start = points.index("checkpoint commit", first_block) + 1 if blocks_left else 0

@@ -42,7 +42,7 @@ def _soak(test, engine, workers, faults, seed):
 
 @pytest.mark.soak
 class SoakTest(parameterized.TestCase):
-    @parameterized.named_parameters(("tensorflow", "tensorflow", 8, 1), ("jax", "jax", 7, 2))
+    @parameterized.named_parameters(("tensorflow", "tensorflow", 6, 1), ("jax", "jax", 6, 2))
     def test_faults_lose_nothing(self, engine, faults, seed):
         _soak(self, engine, 1, faults, seed)
 
