@@ -145,6 +145,24 @@ def fill_disk(directory):
     return path
 
 
+def disk_usage(directory):
+    """The file system's free space and inodes, and its five largest files, in words."""
+    stats = os.statvfs(directory)
+    sizes = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                sizes.append((os.lstat(path).st_blocks * 512, path))
+            except OSError:
+                pass
+    largest = ", ".join(f"{path} ({size} B)" for size, path in sorted(sizes, reverse=True)[:5])
+    return (
+        f"{stats.f_bavail * stats.f_frsize} B and {stats.f_favail} inodes free, "
+        f"{len(sizes)} files, the largest: {largest}"
+    )
+
+
 def read_only(directory):
     """Makes `directory` read-only from here on (a read-only bind mount over itself).
 

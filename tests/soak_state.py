@@ -82,6 +82,10 @@ def _checkpoint_values(run_dir, step):
     import jax
     import orbax.checkpoint as ocp
 
+    from trainers.run import errors
+
+    errors.quiet_abandoned_reads()  # A damaged checkpoint read here ends in debug lines too.
+
     # As NumPy arrays: a job's checkpoint names devices this process has not.
     path = os.path.join(directory, str(step), "default")
     checkpointer = ocp.PyTreeCheckpointer()
