@@ -165,6 +165,7 @@ class Soak:
         self.sequences = {}  # Worker → PointSequence of the reference.
         self.kinds = {}  # Category → the order its kinds are drawn in (`_kind`).
         self.points_struck = set()  # The fault points faults struck at.
+        self.end_tried = False  # Whether `_finish` aimed a fault at the run's end.
         self.reference_seconds = 0.0
         self.startup_s = self.interval_s = 0.0
         self.lost_peer_seconds = []
@@ -284,7 +285,7 @@ class Soak:
             category = pending[0]
             if category == faults_lib.FINISHED and not self.finished:
                 if all(c == faults_lib.FINISHED for c in pending):
-                    self._launch([], "a launch without faults, to finish the run")
+                    self._finish()
                 else:  # Later: the run has to finish first.
                     pending.append(pending.pop(0))
                 continue
@@ -293,6 +294,21 @@ class Soak:
             struck = self._plan_and_launch(pending)
             last_clean = False
             del pending[:struck]
+
+    def _finish(self):
+        """Finishes the run: a launch without faults, but first, if no fault has struck the
+        run's end yet, one killed there (a fault more than drawn): only the launch that
+        finishes a run reaches its end."""
+        points = self._expected_points(0)
+        if "run end" in points and "run end" not in self.points_struck and not self.end_tried:
+            self.end_tried = True
+            occurrence = faults_lib.PointSequence.occurrence(points, points.index("run end"))
+            hook = {"point": "run end", "count": occurrence, "action": "SIGKILL"}
+            self._launch(
+                [{"category": faults_lib.WRITE_POINT, "kind": "SIGKILL", "worker": 0, "hook": hook}]
+            )
+        else:
+            self._launch([], "a launch without faults, to finish the run")
 
     def _plan_and_launch(self, pending):
         """Launches with the next pending categories' faults; returns how many of them struck."""
