@@ -17,6 +17,7 @@ import tempfile
 import types
 from unittest import mock
 
+from absl import logging as absl_logging
 from absl.testing import absltest
 import keras
 import pytest
@@ -265,6 +266,11 @@ class QuietAbandonedReadsTest(absltest.TestCase):
         self.addCleanup(setattr, asyncio_log, "filters", filters)
         sys.unraisablehook = self.passed_on.append
         errors.quiet_abandoned_reads()
+        # The debug lines reach Python's logging only at absl's debug verbosity, which another
+        # test in the same process may have changed.
+        verbosity = absl_logging.get_verbosity()
+        self.addCleanup(absl_logging.set_verbosity, verbosity)
+        absl_logging.set_verbosity(absl_logging.DEBUG)
 
     def _drop_a_waiting_read(self, directory):
         coroutine = _compiled_in(directory, _READS)["read"]()
