@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tests import data_dirs
 from tests import multi_worker
+from tests import soak
 from tests import tensorboard_events
 from trainers.inception import recipes as inception_recipes
 from trainers.inception import task as inception_task
@@ -33,24 +34,9 @@ from trainers.run import event_files
 
 _TIMEOUT_S = 300
 _MODULE = "trainers.inception_bn"
-_MNIST_MODULE = "trainers.mnist_sigmoid"
-_MNIST_STEPS, _MNIST_EVERY = 60, 4
+# MNIST's two workers as the soak runs them (a checkpoint every 4 steps).
+_MNIST = soak.Scenario("mnist", "tensorflow", workers=2, train_steps=60)
 _LOSS_LIMIT_S = 60  # The survivor ends within this of a worker's loss.
-
-
-def _mnist_args(model_dir, train_steps):
-    return [
-        "--norm=batch_norm",
-        "--train_subset=600",
-        "--batch_size=20",
-        "--probe_size=50",
-        f"--eval_every={_MNIST_EVERY}",
-        f"--data_dir={data_dirs.SHARED_DATA}",
-        "--distribution_strategy=multi_worker_mirrored",
-        "--sync_batch_norm",
-        f"--train_steps={train_steps}",
-        f"--model_dir={model_dir}",
-    ]
 
 
 def _args(model_dir, train_steps):
@@ -150,12 +136,13 @@ class MultiWorkerTrainerTest(absltest.TestCase):
 
         Returns `[(exit status, output)]` of both workers and the seconds from
         the stop to the chief's end. The chief still trains then: the run has
-        `_MNIST_STEPS` steps, a checkpoint every `_MNIST_EVERY`.
+        60 steps, a checkpoint every 4.
         """
-        args = _mnist_args(model_dir, _MNIST_STEPS)
+        args = _MNIST.args(model_dir)
+        run_dir = os.path.join(model_dir, *_MNIST.run_dirs)
         for _ in range(3):  # Launches retried while a worker loses its port.
-            with multi_worker.started_workers(_MNIST_MODULE, [args, args]) as workers:
-                if not _await_checkpoint(os.path.join(model_dir, "batch_norm"), workers, after):
+            with multi_worker.started_workers(_MNIST.module, [args, args]) as workers:
+                if not _await_checkpoint(run_dir, workers, after):
                     continue
                 stop(workers[1].process)
                 stopped = time.monotonic()
@@ -185,7 +172,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
             steps.add(int(stopped[1]))
         self.assertLen(steps, 1)
         (step,) = steps
-        self.assertLess(step, _MNIST_STEPS)
+        self.assertLess(step, _MNIST.train_steps)
 
         # A worker SIGKILLed: the chief ends in one line naming it and the checkpoint.
         ends, seconds = self._stop_worker_1_after_a_checkpoint(model_dir, step, lambda p: p.kill())
@@ -203,16 +190,16 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         )
         self.assertIsNotNone(error, last_line)
         step = int(error[1])
-        self.assertLess(step, _MNIST_STEPS)
+        self.assertLess(step, _MNIST.train_steps)
 
-        args = _mnist_args(model_dir, _MNIST_STEPS)
+        args = _MNIST.args(model_dir)
         for code, output in multi_worker.run_workers(
-            _MNIST_MODULE, [args, args], timeout_s=_TIMEOUT_S
+            _MNIST.module, [args, args], timeout_s=_TIMEOUT_S
         ):
             self.assertEqual(code, 0, output[-3000:])
             self.assertRegex(output, rf"at step {step}\b")  # Both from the chief's checkpoint.
-        with open(os.path.join(model_dir, "batch_norm", "history.json")) as f:
-            self.assertEqual(json.load(f)["steps"], _MNIST_STEPS)
+        with open(os.path.join(model_dir, *_MNIST.run_dirs, "history.json")) as f:
+            self.assertEqual(json.load(f)["steps"], _MNIST.train_steps)
 
 
 if __name__ == "__main__":
