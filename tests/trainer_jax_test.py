@@ -315,32 +315,11 @@ def _kill_after_a_new_checkpoint(model_dir, victim):
 
 @pytest.mark.slow
 class MultiProcessTest(absltest.TestCase):
-    """Process 0 alone writes the events; a relaunch of both processes resumes at the checkpoint."""
+    """Process 0 alone writes the events; a relaunch of both processes resumes at the checkpoint.
 
-    def test_process_0_writes_and_relaunch_resumes(self):
-        if not os.path.isdir(os.path.join(mnist_sigmoid_test.SHARED_DATA, "mnist")):
-            self.skipTest("real MNIST not present")
-        model_dir = tempfile.mkdtemp()
-        run_dir = os.path.join(model_dir, "batch_norm")
-        for code, output in _launch_two_processes(model_dir, train_steps=2):
-            self.assertEqual(code, 0, output[-3000:])
-            self.assertIn("Global batch 32 = 8 replicas", output)
-        self.assertLen(_event_files(run_dir), 1)
-        self.assertEqual(_checkpoints(run_dir), ["2"])  # One orbax step, written once.
-
-        for code, output in _launch_two_processes(model_dir, train_steps=4):
-            self.assertEqual(code, 0, output[-3000:])
-            self.assertIn("at step 2", output)  # Both processes resumed from the checkpoint.
-        self.assertEqual([e["step"] for e in _history(run_dir)["evals"]], [2, 4])
-        # One event file per launch, process 0's: every evaluation logged once.
-        self.assertLen(_event_files(run_dir), 2)
-        tags = tensorboard_events.read_events(run_dir)
-        self.assertEqual([s for s, _ in tags["train/loss"]], [2, 4])
-        self.assertEqual([s for s, _ in tags["eval/test_accuracy"]], [2, 4])
-        with open(os.path.join(model_dir, "summary.json")) as f:
-            summary = json.load(f)
-        self.assertEqual(summary["runs"]["batch_norm"]["steps"], 4)
-        self.assertEqual(summary["config"]["engine"], "jax")
+    A lost process ends the other in one line; a SIGTERM to one stops both at
+    one step, and the relaunch ends as the uninterrupted run did.
+    """
 
     def test_a_lost_process_ends_the_other_in_one_line_and_relaunch_resumes(self):
         if not os.path.isdir(os.path.join(mnist_sigmoid_test.SHARED_DATA, "mnist")):
@@ -387,6 +366,14 @@ class MultiProcessTest(absltest.TestCase):
         whole, model_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
         for code, output in _launch_two_processes(whole, train_steps=12):
             self.assertEqual(code, 0, output[-3000:])
+            self.assertIn("Global batch 32 = 8 replicas", output)
+        whole_run = os.path.join(whole, "batch_norm")
+        self.assertLen(_event_files(whole_run), 1)  # Process 0's alone.
+        # Each orbax step written once: no half-written or second copy left.
+        self.assertIn(12, _committed_steps(whole_run))
+        self.assertEqual(
+            _checkpoints(whole_run), sorted(str(s) for s in _committed_steps(whole_run))
+        )
         args = _two_process_args(model_dir, train_steps=12)
         env = multi_worker.keras_distribution_env
         run_dir = os.path.join(model_dir, "batch_norm")
@@ -419,8 +406,17 @@ class MultiProcessTest(absltest.TestCase):
             self.assertRegex(output, rf"at step {step}\b")
         self.assertEqual(
             run_outputs.read_json(os.path.join(run_dir, "history.json")),
-            run_outputs.read_json(os.path.join(whole, "batch_norm", "history.json")),
+            run_outputs.read_json(os.path.join(whole_run, "history.json")),
         )
+        # One event file per launch, process 0's: every evaluation logged once.
+        self.assertLen(_event_files(run_dir), 2)
+        tags, whole_tags = (tensorboard_events.read_events(d) for d in (run_dir, whole_run))
+        for tag in ("train/loss", "eval/test_accuracy"):
+            self.assertEqual([s for s, _ in tags[tag]], [s for s, _ in whole_tags[tag]])
+        with open(os.path.join(model_dir, "summary.json")) as f:
+            summary = json.load(f)
+        self.assertEqual(summary["runs"]["batch_norm"]["steps"], 12)
+        self.assertEqual(summary["config"]["engine"], "jax")
 
 
 if __name__ == "__main__":
