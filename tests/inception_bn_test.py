@@ -49,7 +49,7 @@ def _smoke(model_dir, **overrides):
         return json.load(f)
 
 
-def _check_run(test, model_dir, summary, steps):
+def check_run(test, model_dir, summary, steps):
     """Asserts a finished run's steps, finite metrics, event tags, checkpoint."""
     test.assertEqual(summary["steps"], steps)
     test.assertTrue(np.isfinite(summary["final"]["train_loss"]))
@@ -194,9 +194,9 @@ class TrainerTest(parameterized.TestCase):
     def test_bn_baseline_smoke_and_resume(self):
         model_dir = tempfile.mkdtemp()
         summary = _smoke(model_dir, variant="bn_baseline", train_steps=2)
-        _check_run(self, model_dir, summary, 2)
+        check_run(self, model_dir, summary, 2)
         summary = _smoke(model_dir, variant="bn_baseline", train_steps=4, target_accuracy=0.0)
-        tags = _check_run(self, model_dir, summary, 4)
+        tags = check_run(self, model_dir, summary, 4)
         self.assertEqual([s for s, _ in tags["eval/top1"]], [2, 4])  # continued, not restarted
         # Derived from all kept evaluations: step 2 already had top-1 >= 0.0.
         self.assertEqual(summary["steps_to_target"], 2)
@@ -268,15 +268,8 @@ class TrainerTest(parameterized.TestCase):
 
 # A class-level mark: a mark above `@parameterized` does not reach absl's copies (CONTRIBUTING.md).
 @pytest.mark.slow
-class SlowTrainerTest(parameterized.TestCase):
-    """Smoke runs of the other variants and a 2-device mirrored run."""
-
-    @parameterized.parameters("inception", "bn_x5", "bn_x30", "bn_x5_sigmoid")
-    def test_variant_smoke(self, variant):
-        model_dir = tempfile.mkdtemp()
-        summary = _smoke(model_dir, variant=variant, steps_per_execution=2)
-        _check_run(self, model_dir, summary, 4)
-        self.assertEqual(summary["paper"], inception_recipes.PAPER_RESULTS[variant])
+class SlowTrainerTest(absltest.TestCase):
+    """A 2-device mirrored run (inception_table2_test.py's SeedsSmokeTest runs every variant)."""
 
     def test_mirrored_two_devices_with_sync_batch_norm(self):
         model_dir = tempfile.mkdtemp()
@@ -299,7 +292,7 @@ class SlowTrainerTest(parameterized.TestCase):
         self.assertIn("Global batch 4 = 2 replicas × 2 per replica", result.stderr)
         with open(os.path.join(model_dir, "summary.json")) as f:
             summary = json.load(f)
-        _check_run(self, model_dir, summary, 4)
+        check_run(self, model_dir, summary, 4)
 
 
 @pytest.mark.integration

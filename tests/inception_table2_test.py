@@ -273,6 +273,8 @@ class SeedsTest(parameterized.TestCase):
 
 # Ten runs (five variants, two seeds), each built and compiled: about two
 # minutes on two CPU cores, so slow although each run trains only two steps.
+# The smoke run of every variant (its metrics, event tags, BN health and
+# checkpoint), in one compiled call of two steps.
 @pytest.mark.slow
 class SeedsSmokeTest(absltest.TestCase):
     def test_fake_data_two_seeds(self):
@@ -283,6 +285,7 @@ class SeedsSmokeTest(absltest.TestCase):
             variant="all",
             num_seeds=2,
             model_dir=model_dir,
+            steps_per_execution=2,
             **inception_bn_test.MANY_RUNS_SMOKE,
         ):
             inception_bn.main(["inception_bn"])
@@ -291,8 +294,11 @@ class SeedsSmokeTest(absltest.TestCase):
                 run_dir = os.path.join(model_dir, variant, f"seed_{seed}")
                 with open(os.path.join(run_dir, "summary.json")) as f:
                     run = json.load(f)
+                inception_bn_test.check_run(self, run_dir, run, 2)
                 self.assertEqual((run["steps"], run["config"]["seed"]), (2, seed))
                 self.assertEqual(run["config"]["width_multiplier"], 0.05)
+                self.assertEqual(run["config"]["steps_per_execution"], 2)
+                self.assertEqual(run["paper"], inception_recipes.PAPER_RESULTS[variant])
         with open(os.path.join(model_dir, "summary.json")) as f:
             summary = json.load(f)
         self.assertEqual(sorted(summary["per_seed"]), ["0", "1"])
