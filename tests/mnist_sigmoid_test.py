@@ -240,6 +240,10 @@ class MnistSigmoidTest(parameterized.TestCase):
         self.assertEqual(images.dtype, np.float32)
         self.assertTrue(0.0 <= images.min() and images.max() <= 1.0)
         self.assertCountEqual(np.unique(labels), range(10))
+        # --train_subset's read: the first examples of the whole read, and no more.
+        first_images, first_labels = mnist_data.load_mnist(SHARED_DATA, "test", limit=300)
+        np.testing.assert_array_equal(first_images, images[:300])
+        np.testing.assert_array_equal(first_labels, labels[:300])
 
 
 def _train_loss_at_500(model_dir, *extra):

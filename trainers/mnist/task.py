@@ -140,10 +140,8 @@ class MnistRun(skeleton.Task):
 
 def load_data(config):
     """`(train, test)` MNIST arrays, the training set cut to `config.train_subset`."""
-    train = mnist_data.load_mnist(config.data_dir, "train")
+    train = mnist_data.load_mnist(config.data_dir, "train", limit=config.train_subset or None)
     test = mnist_data.load_mnist(config.data_dir, "test")
-    if config.train_subset:
-        train = (train[0][: config.train_subset], train[1][: config.train_subset])
     return train, test
 
 
