@@ -245,6 +245,10 @@ class MnistSigmoidTest(parameterized.TestCase):
         np.testing.assert_array_equal(first_images, images[:300])
         np.testing.assert_array_equal(first_labels, labels[:300])
 
+    def test_a_limit_below_one_is_refused(self):
+        with self.assertRaisesRegex(ValueError, r"at least 1 or None\. Received: limit=0$"):
+            mnist_data.load_mnist(SHARED_DATA, "test", limit=0)
+
 
 def _train_loss_at_500(model_dir, *extra):
     """Runs the BN network for 500 steps on real MNIST in its own process."""

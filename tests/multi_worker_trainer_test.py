@@ -168,6 +168,10 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         # A worker SIGKILLed: the chief ends in one line naming it and the checkpoint.
         ends, seconds = self._stop_worker_1_after_a_checkpoint(model_dir, step, lambda p: p.kill())
         code, output = ends[0]
+        scratch = checkpoints.worker_scratch_dir(
+            os.path.join(model_dir, *_MNIST.run_dirs), "worker_1"
+        )
+        self.assertTrue(os.path.isdir(scratch))  # Left by worker 1's SIGKILL.
         self.assertLess(seconds, _LOSS_LIMIT_S)
         self.assertNotEqual(code, 0, output[-3000:])
         self.assertIn(f"at step {step}", output)  # It resumed from the stop's checkpoint.
@@ -199,9 +203,10 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         self.assertEqual([s for s, _ in tags["train/loss"]], every)
         with open(os.path.join(run_dir, "history.json")) as f:
             history = json.load(f)
-        self.assertEqual((history["steps"], [e["step"] for e in history["evals"]]), (60, every))
-        # Worker 1's scratch directory, left by its SIGKILL, removed by the relaunch.
-        self.assertFalse(os.path.exists(checkpoints.worker_scratch_dir(run_dir, "worker_1")))
+        self.assertEqual(
+            (history["steps"], [e["step"] for e in history["evals"]]), (_MNIST.train_steps, every)
+        )
+        self.assertFalse(os.path.exists(scratch))  # Gone after the relaunch's end.
 
 
 if __name__ == "__main__":

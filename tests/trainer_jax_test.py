@@ -414,7 +414,8 @@ class MultiProcessTest(absltest.TestCase):
         self.assertLen(_event_files(run_dir), 2)
         tags, whole_tags = (tensorboard_events.read_events(d) for d in (run_dir, whole_run))
         for tag in ("train/loss", "eval/test_accuracy"):
-            self.assertEqual([s for s, _ in tags[tag]], [s for s, _ in whole_tags[tag]])
+            self.assertEqual([s for s, _ in tags[tag]], list(range(2, 13, 2)), tag)
+            self.assertEqual([s for s, _ in whole_tags[tag]], list(range(2, 13, 2)), tag)
         with open(os.path.join(model_dir, "summary.json")) as f:
             summary = json.load(f)
         self.assertEqual(summary["runs"]["batch_norm"]["steps"], 12)

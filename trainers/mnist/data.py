@@ -48,12 +48,15 @@ def load_mnist(data_dir, split, limit=None):
     whole read returns first: a run on 600 examples decodes 600, not 60,000.
 
     Raises:
+        ValueError: a `limit` below 1.
         errors.MissingDataError (a FileNotFoundError): when the prepared
             data set is not under `data_dir` (the message names the
             --data_dir flag and how to get MNIST).
         errors.CorruptDataError: when TensorFlow reads a bad record
             (naming the shard).
     """
+    if limit is not None and limit < 1:
+        raise ValueError(f"`limit` must be at least 1 or None. Received: limit={limit}")
     dataset = data_checks.load_split("mnist", split, data_dir, HOW_TO_GET)
     if limit is not None:
         dataset = dataset.take(limit)
