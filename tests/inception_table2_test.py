@@ -293,9 +293,9 @@ class SeedsSmokeTest(absltest.TestCase):
                 run_dir = os.path.join(model_dir, variant, f"seed_{seed}")
                 with open(os.path.join(run_dir, "summary.json")) as f:
                     run = json.load(f)
-                tags = inception_bn_test.check_run(self, run_dir, run, 4)
+                tags = inception_bn_test.check_run(self, run_dir, run, 4)  # Its steps among them.
                 self.assertEqual([s for s, _ in tags["eval/top1"]], [2, 4])  # Two compiled calls.
-                self.assertEqual((run["steps"], run["config"]["seed"]), (4, seed))
+                self.assertEqual(run["config"]["seed"], seed)
                 self.assertEqual(run["config"]["width_multiplier"], 0.05)
                 self.assertEqual(run["config"]["steps_per_execution"], 2)
                 self.assertEqual(run["paper"], inception_recipes.PAPER_RESULTS[variant])

@@ -127,7 +127,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
 
         Returns `[(exit status, output)]` of both workers and the seconds from
         the stop to the chief's end. The chief still trains then: the run has
-        60 steps, a checkpoint every 4.
+        `_MNIST.train_steps` steps, a checkpoint every `_MNIST.eval_every`.
         """
         args = _MNIST.args(model_dir)
         run_dir = os.path.join(model_dir, *_MNIST.run_dirs)
@@ -150,6 +150,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         if not os.path.isdir(os.path.join(data_dirs.SHARED_DATA, "mnist")):
             self.skipTest(f"real MNIST not at {data_dirs.SHARED_DATA}")
         model_dir = tempfile.mkdtemp()
+        run_dir = os.path.join(model_dir, *_MNIST.run_dirs)
 
         # A SIGTERM to one machine stops both workers at one step, checkpointed
         # once (the workers agree by an all-reduce of their stop requests).
@@ -168,9 +169,7 @@ class MultiWorkerTrainerTest(absltest.TestCase):
         # A worker SIGKILLed: the chief ends in one line naming it and the checkpoint.
         ends, seconds = self._stop_worker_1_after_a_checkpoint(model_dir, step, lambda p: p.kill())
         code, output = ends[0]
-        scratch = checkpoints.worker_scratch_dir(
-            os.path.join(model_dir, *_MNIST.run_dirs), "worker_1"
-        )
+        scratch = checkpoints.worker_scratch_dir(run_dir, "worker_1")
         self.assertTrue(os.path.isdir(scratch))  # Left by worker 1's SIGKILL.
         self.assertLess(seconds, _LOSS_LIMIT_S)
         self.assertNotEqual(code, 0, output[-3000:])
@@ -195,7 +194,6 @@ class MultiWorkerTrainerTest(absltest.TestCase):
             self.assertRegex(output, rf"at step {step}\b")  # Both from the chief's checkpoint.
         # The chief alone wrote, one event file per launch (three), and one
         # end-of-run file: every evaluation logged once, none lost to the stops.
-        run_dir = os.path.join(model_dir, *_MNIST.run_dirs)
         self.assertLen(_event_files(run_dir), 3)
         self.assertLen(_event_files(run_dir, end=True), 1)
         every = list(range(_MNIST.eval_every, _MNIST.train_steps + 1, _MNIST.eval_every))

@@ -372,10 +372,9 @@ class MultiProcessTest(absltest.TestCase):
         whole_run = os.path.join(whole, "batch_norm")
         self.assertLen(_event_files(whole_run), 1)  # Process 0's alone.
         # Each orbax step written once: no half-written or second copy left.
-        self.assertIn(12, _committed_steps(whole_run))
-        self.assertEqual(
-            _checkpoints(whole_run), sorted(str(s) for s in _committed_steps(whole_run))
-        )
+        committed = _committed_steps(whole_run)
+        self.assertIn(12, committed)
+        self.assertEqual(_checkpoints(whole_run), sorted(str(s) for s in committed))
         args = _two_process_args(model_dir, train_steps=12)
         env = multi_worker.keras_distribution_env
         run_dir = os.path.join(model_dir, "batch_norm")
@@ -413,9 +412,10 @@ class MultiProcessTest(absltest.TestCase):
         # One event file per launch, process 0's: every evaluation logged once.
         self.assertLen(_event_files(run_dir), 2)
         tags, whole_tags = (tensorboard_events.read_events(d) for d in (run_dir, whole_run))
+        evaluations = list(range(2, 13, 2))
         for tag in ("train/loss", "eval/test_accuracy"):
-            self.assertEqual([s for s, _ in tags[tag]], list(range(2, 13, 2)), tag)
-            self.assertEqual([s for s, _ in whole_tags[tag]], list(range(2, 13, 2)), tag)
+            self.assertEqual([s for s, _ in tags[tag]], evaluations, tag)
+            self.assertEqual([s for s, _ in whole_tags[tag]], evaluations, tag)
         with open(os.path.join(model_dir, "summary.json")) as f:
             summary = json.load(f)
         self.assertEqual(summary["runs"]["batch_norm"]["steps"], 12)
